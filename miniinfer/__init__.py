@@ -1,0 +1,27 @@
+"""miniinfer: an LLM inference engine built one chapter at a time.
+
+>>> import miniinfer
+>>> lm = miniinfer.load_model("smollm2-135m")
+>>> engine = miniinfer.make_engine("naive", lm)
+>>> engine.generate([lm.tokenizer.encode("The capital of France is")],
+...                 miniinfer.SamplingParams(max_new_tokens=8)).token_ids
+"""
+
+from .engines import ENGINES, Engine, GenerationResult, make_engine
+from .errors import InvalidRequestError, MiniInferError, UnknownNameError
+from .models import MODELS, LoadedModel, load_model
+from .sampling import SamplingParams
+
+__all__ = [
+    "ENGINES",
+    "MODELS",
+    "Engine",
+    "GenerationResult",
+    "InvalidRequestError",
+    "LoadedModel",
+    "MiniInferError",
+    "SamplingParams",
+    "UnknownNameError",
+    "load_model",
+    "make_engine",
+]

@@ -1,0 +1,20 @@
+"""The engine registry: one name per stage of the book, all with the same interface."""
+
+from __future__ import annotations
+
+from ..errors import UnknownNameError
+from ..models import LoadedModel
+from .base import Engine, GenerationResult
+from .hf import HFEngine
+from .naive import NaiveEngine
+
+ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (HFEngine, NaiveEngine)}
+
+
+def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
+    if name not in ENGINES:
+        raise UnknownNameError(f"unknown engine {name!r}; available engines: {', '.join(ENGINES)}")
+    return ENGINES[name](lm, **options)
+
+
+__all__ = ["ENGINES", "Engine", "GenerationResult", "make_engine"]

@@ -1,0 +1,126 @@
+"""What every engine stage shares: the interface, input validation, padding and step timing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from ..errors import InvalidRequestError
+from ..models import LoadedModel
+from ..sampling import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """Generated ids per prompt (EOS included when a request stopped on it) and step times.
+
+    ``token_times`` holds one ``perf_counter`` stamp per decode step, taken once that step's
+    tokens are on the host; the first stamp is the end of prefill (time to first token).
+    """
+
+    token_ids: list[list[int]]
+    start: float
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times[0] - self.start
+
+    @property
+    def decode_step_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+class Engine:
+    """One stage of the book's engine. Subclasses implement ``_generate``.
+
+    ``generate`` takes pre-tokenized prompts (a batch of token-id lists of any lengths) and
+    returns only the newly generated ids; all stages share this so the benchmark and the
+    correctness tests treat them alike.
+    """
+
+    name: ClassVar[str]
+    chapter: ClassVar[str]
+    summary: ClassVar[str]
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.model = lm.model
+        self.device = lm.device
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> GenerationResult:
+        params = params or SamplingParams()
+        prompts = [list(p) for p in prompts]
+        self.validate(prompts, params)
+        with torch.inference_mode():
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
+        raise NotImplementedError
+
+    def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        vocab = self.lm.config.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise InvalidRequestError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                raise InvalidRequestError(f"prompt {i} has token ids outside [0, {vocab})")
+            need = len(prompt) + params.max_new_tokens
+            if need > self.lm.max_context:
+                raise InvalidRequestError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens="
+                    f"{params.max_new_tokens} it needs {need} positions, more than the model's "
+                    f"context of {self.lm.max_context}"
+                )
+
+
+class StepClock:
+    """Stamps the time of each generated token. On CUDA it synchronises first, so a stamp
+    means the device work is done, not merely queued."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self.result_times: list[float] = []
+        self.start = self.now()
+
+    def now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def tick(self) -> None:
+        self.result_times.append(self.now())
+
+    def finish(self, token_ids: list[list[int]]) -> GenerationResult:
+        return GenerationResult(token_ids, self.start, self.result_times, self.now())
+
+
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch prompts of different lengths: pad on the left so every row's last token is at the
+    same index, which is where decode appends. Returns input ids and the 0/1 attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def trim_at_eos(rows: list[list[int]], eos_id: int | None) -> list[list[int]]:
+    """Cut each row after its first EOS (kept), dropping the padding a batch adds after it."""
+    if eos_id is None:
+        return rows
+    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
