@@ -1,0 +1,122 @@
+"""Offline decode benchmark: engines x batch sizes on fixed, pre-tokenized prompts -> tidy rows.
+
+Hygiene (from the reference posts): prompts are tokenized before timing, every run generates
+exactly ``new_tokens`` (EOS ignored), each engine gets warm-up runs, measured repeats are
+interleaved across engines so drift on a shared machine hits them alike, and every figure is
+the median (p50) over repeats. ``pct_of_hf`` compares engines measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from .devices import decode_floor, measure_bandwidth, run_metadata
+from .engines import Engine, GenerationResult, make_engine
+from .errors import InvalidRequestError
+from .models import LoadedModel
+from .sampling import SamplingParams
+
+# SmolLM2's special tokens sit below this id; benchmark prompts avoid them.
+FIRST_PLAIN_TOKEN = 17
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    engines: tuple[str, ...] = ("hf", "naive")
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    prompt_len: int = 64
+    new_tokens: int = 64
+    warmup: int = 1
+    repeat: int = 3
+    seed: int = 0
+    chapter: str = ""
+
+    def __post_init__(self) -> None:
+        for field, value in (("prompt_len", self.prompt_len), ("new_tokens", self.new_tokens),
+                             ("repeat", self.repeat)):
+            if value < 1:
+                raise InvalidRequestError(f"{field} must be >= 1, got {value}")
+        if self.warmup < 0:
+            raise InvalidRequestError(f"warmup must be >= 0, got {self.warmup}")
+        if not self.engines or not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise InvalidRequestError("need at least one engine and batch sizes >= 1")
+
+
+def make_prompts(lm: LoadedModel, batch_size: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Random plain-token prompts of exactly ``prompt_len`` tokens (same seed, same prompts)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(FIRST_PLAIN_TOKEN, lm.config.vocab_size, (batch_size, prompt_len),
+                        generator=gen)
+    return ids.tolist()
+
+
+def run_metrics(result: GenerationResult, batch_size: int, new_tokens: int) -> dict[str, float]:
+    steps = result.decode_step_s
+    total = result.end - result.start
+    return {
+        "tok_s": batch_size * new_tokens / total,
+        "step_ms": statistics.median(steps) * 1e3 if steps else float("nan"),
+        "ttft_ms": result.ttft_s * 1e3,
+        # TPOT: time per output token after the first, per request.
+        "tpot_ms": (result.token_times[-1] - result.token_times[0]) / max(len(steps), 1) * 1e3,
+    }
+
+
+def run_bench(lm: LoadedModel, config: BenchConfig,
+              engines: dict[str, Engine] | None = None) -> pd.DataFrame:
+    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs."""
+    engines = engines or {name: make_engine(name, lm) for name in config.engines}
+    params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
+    bandwidth = measure_bandwidth(lm.device)
+    meta = run_metadata(lm.device)
+    rows = []
+    total = len(config.batch_sizes) * len(engines) * (config.warmup + config.repeat)
+    with tqdm(total=total, desc=f"bench {lm.name}", leave=False) as bar:
+        for batch_size in config.batch_sizes:
+            prompts = make_prompts(lm, batch_size, config.prompt_len, config.seed)
+            for engine in engines.values():
+                for _ in range(config.warmup):
+                    engine.generate(prompts, params)
+                    bar.update()
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+            for _ in range(config.repeat):
+                for name, engine in engines.items():
+                    result = engine.generate(prompts, params)
+                    runs[name].append(run_metrics(result, batch_size, config.new_tokens))
+                    bar.update()
+            # Mid-decode context length stands for the average step.
+            floor = decode_floor(lm, batch_size, config.prompt_len + config.new_tokens // 2,
+                                 bandwidth)
+            for name, measured in runs.items():
+                p50 = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+                rows.append({
+                    "chapter": config.chapter, "engine": name, "model": lm.name,
+                    "dtype": str(lm.dtype).removeprefix("torch."), "batch_size": batch_size,
+                    "prompt_len": config.prompt_len, "new_tokens": config.new_tokens,
+                    "repeats": config.repeat, **p50,
+                    "floor_ms": floor.step_ms, "pct_of_floor": 100 * floor.step_ms / p50["step_ms"],
+                    "bandwidth_gbs": bandwidth / 1e9, **meta,
+                })
+    df = pd.DataFrame(rows)
+    if "hf" in engines:
+        hf_tok_s = df[df.engine == "hf"].set_index("batch_size").tok_s
+        df["pct_of_hf"] = 100 * df.tok_s / df.batch_size.map(hf_tok_s)
+    else:
+        df["pct_of_hf"] = float("nan")
+    first = ["chapter", "engine", "model", "device", "device_name", "dtype", "batch_size",
+             "prompt_len", "new_tokens", "repeats", "tok_s", "step_ms", "ttft_ms", "tpot_ms",
+             "pct_of_hf", "floor_ms", "pct_of_floor"]
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+def summary_table(df: pd.DataFrame, columns: Sequence[str] = ("tok_s", "step_ms", "ttft_ms",
+                                                               "pct_of_hf")) -> pd.DataFrame:
+    """The compact view printed after a run: engine x batch size."""
+    cols = ["engine", "batch_size", *columns]
+    return df[cols].round(2).reset_index(drop=True)

@@ -1,0 +1,194 @@
+"""Command line: ``python -m miniinfer generate | bench | engines | models | repro NN``.
+
+User errors (unknown names, empty or over-long prompts, impossible sampling values) print one
+line to stderr and exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import InvalidRequestError, MiniInferError
+
+USAGE_ERROR = 2
+
+
+def _csv_ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _csv_names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.exists():
+            raise InvalidRequestError(f"prompts file {path} does not exist")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequestError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+            if isinstance(item, dict):
+                if "prompt" not in item:
+                    raise InvalidRequestError(f'{path}:{n} has no "prompt" field')
+                item = item["prompt"]
+            if not isinstance(item, str):
+                raise InvalidRequestError(f"{path}:{n}: a prompt must be a string")
+            prompts.append(item)
+    if not prompts:
+        raise InvalidRequestError("no prompt given: use --prompt TEXT or --prompts FILE.jsonl")
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            raise InvalidRequestError(f"prompt {i} is empty")
+    return prompts
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .engines import ENGINES, make_engine
+    from .errors import UnknownNameError
+    from .models import MODELS, load_model
+    from .sampling import SamplingParams
+
+    # Cheap checks first: a typo should not cost a model load.
+    if args.engine not in ENGINES:
+        raise UnknownNameError(f"unknown engine {args.engine!r}; available engines: {', '.join(ENGINES)}")
+    if args.model not in MODELS:
+        raise UnknownNameError(f"unknown model {args.model!r}; available models: {', '.join(MODELS)}")
+    texts = _read_prompts(args)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    tok = lm.tokenizer
+    if args.chat:
+        texts_in = [tok.apply_chat_template([{"role": "user", "content": t}],
+                                            add_generation_prompt=True, tokenize=False)
+                    for t in texts]
+    else:
+        texts_in = texts
+    prompts = [tok.encode(t) for t in texts_in]
+    result = make_engine(args.engine, lm).generate(prompts, params)
+    for text, ids in zip(texts, result.token_ids, strict=True):
+        out = tok.decode(ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"prompt": text, "token_ids": ids, "text": out}))
+        else:
+            print(text + out)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import BenchConfig, run_bench, summary_table
+    from .engines import ENGINES, make_engine
+    from .errors import UnknownNameError
+    from .models import load_model
+
+    unknown = [e for e in args.engines if e not in ENGINES]
+    if unknown:
+        raise UnknownNameError(f"unknown engine(s) {', '.join(unknown)}; available engines: "
+                               f"{', '.join(ENGINES)}")
+    config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
+                         prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                         warmup=args.warmup, repeat=args.repeat, chapter=args.chapter)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    engines = {name: make_engine(name, lm) for name in config.engines}
+    df = run_bench(lm, config, engines)
+    print(summary_table(df).to_string(index=False))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(out, index=False)
+        print(f"wrote {out}")
+
+
+def cmd_engines(args: argparse.Namespace) -> None:
+    from .engines import ENGINES
+
+    for name, cls in ENGINES.items():
+        print(f"{name:18s} ch{cls.chapter}  {cls.summary}")
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from .models import MODELS
+
+    for name, spec in MODELS.items():
+        dtype = str(spec.default_dtype).removeprefix("torch.")
+        print(f"{name:14s} {dtype:9s} {spec.description}")
+
+
+def cmd_repro(args: argparse.Namespace) -> None:
+    from .repro import reproduce
+
+    reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="miniinfer", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser, model: str | None) -> None:
+        p.add_argument("--model", default=model, required=model is None)
+        p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default)")
+        p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("--engine", default="naive")
+    model_args(gen, "smollm2-135m")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    gen.add_argument("--prompts", help="JSONL file: one string or {\"prompt\": ...} per line")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="offline decode benchmark -> table + tidy CSV")
+    bench.add_argument("--engines", type=_csv_names, default=("hf", "naive"))
+    model_args(bench, "smollm2-135m")
+    bench.add_argument("--batch-sizes", type=_csv_ints, default=(1, 4, 8))
+    bench.add_argument("--prompt-len", type=int, default=64)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--repeat", type=int, default=3)
+    bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
+    bench.add_argument("--out", help="CSV path")
+    bench.set_defaults(func=cmd_bench)
+
+    sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
+    sub.add_parser("models", help="list models").set_defaults(func=cmd_models)
+
+    repro = sub.add_parser("repro", help="rerun a chapter's benchmark here and re-execute its notebook")
+    repro.add_argument("chapter", help="chapter number, e.g. 01")
+    repro.add_argument("--device", default="auto")
+    repro.add_argument("--no-notebook", action="store_true", help="skip re-executing the notebook")
+    repro.set_defaults(func=cmd_repro)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except MiniInferError as exc:
+        print(f"miniinfer: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
