@@ -8,7 +8,7 @@
 """
 
 from .engines import ENGINES, Engine, GenerationResult, make_engine
-from .errors import InvalidRequestError, MiniInferError, UnknownNameError
+from .errors import InvalidRequestError, KVCacheFull, MiniInferError, UnknownNameError
 from .models import MODELS, LoadedModel, load_model
 from .sampling import SamplingParams
 
@@ -18,6 +18,7 @@ __all__ = [
     "Engine",
     "GenerationResult",
     "InvalidRequestError",
+    "KVCacheFull",
     "LoadedModel",
     "MiniInferError",
     "SamplingParams",

@@ -12,3 +12,7 @@ class UnknownNameError(MiniInferError):
 
 class InvalidRequestError(MiniInferError):
     """A prompt or sampling setting the engine cannot serve."""
+
+
+class KVCacheFull(MiniInferError):
+    """No free KV block is left for a request (chapter 08's scheduler preempts instead)."""

@@ -1,0 +1,57 @@
+"""Shared fixtures. The real SmolLM2 is loaded once per session (about a second from the
+cache; the first run ever converts the GGUF, about 20 s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniinfer import SamplingParams, load_model, make_engine
+
+# Texts of different lengths, plain and chat-formatted, so a batch mixes lengths and padding.
+TEXTS = [
+    "The capital of France is",
+    "Hello",
+    "Write a haiku about the sea, the moon and the stars, please:",
+    "1, 2, 3, 4,",
+    "Question: what is 2 + 2? Answer:",
+    "Once upon a time, in a small village by the river, there lived",
+    "def fibonacci(n):",
+    "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+]
+LONG_TEXT = ("The history of computing is a story of ideas meeting machines. Early calculators "
+             "were mechanical, then electrical, and finally electronic; each step made them "
+             "faster, smaller and cheaper, until a computer fitted in a pocket.")
+# Prompt lengths that end exactly on a KV block boundary (block size 16) and one token past it.
+BOUNDARY_LENGTHS = (16, 17, 32, 33)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def template_prompts(smollm2) -> list[list[int]]:
+    """>= 8 prompts of mixed lengths, including block-boundary lengths."""
+    tok = smollm2.tokenizer
+    long_ids = tok.encode(LONG_TEXT)
+    assert len(long_ids) > max(BOUNDARY_LENGTHS)
+    return [tok.encode(t) for t in TEXTS] + [long_ids[:n] for n in BOUNDARY_LENGTHS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(smollm2, template_prompts) -> dict[str, list[list[int]]]:
+    """HF generate's greedy tokens: the whole batch at once (left padding) and each prompt alone.
+    Computed once and shared by every stage's template test."""
+    hf = make_engine("hf", smollm2)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    return {
+        "batched": hf.generate(template_prompts, params).token_ids,
+        "single": [hf.generate([p], params).token_ids[0] for p in template_prompts],
+    }
