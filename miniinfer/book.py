@@ -1,0 +1,59 @@
+"""Helpers the chapter notebooks share: the run preset, the default model for the reader's device,
+and the recorded results of every device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from .bench import BenchConfig
+from .devices import REPO_ROOT
+from .models import resolve_device
+
+RESULTS = REPO_ROOT / "data" / "results"
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """How big the notebook's live runs are. ``small`` keeps a chapter to a couple of minutes
+    on 2 CPU cores (the test suite uses it); ``full`` is what ``make chapter-NN`` runs."""
+
+    name: str
+    device: torch.device
+    model: str
+    bench: BenchConfig
+
+
+def preset(engines: tuple[str, ...], chapter: str) -> Preset:
+    name = os.environ.get("MINIINFER_PRESET", "full")
+    if name not in ("small", "full"):
+        raise ValueError(f"MINIINFER_PRESET must be 'small' or 'full', got {name!r}")
+    if name == "small":
+        # CPU and the real SmolLM2 even where a GPU exists: the test suite checks the prose's
+        # claims, it does not measure.
+        return Preset(name, torch.device("cpu"), "smollm2-135m",
+                      BenchConfig(engines, (1, 4), prompt_len=32, new_tokens=8, warmup=1,
+                                  repeat=2, chapter=chapter))
+    device = resolve_device(os.environ.get("MINIINFER_DEVICE", "auto"))
+    model = os.environ.get("MINIINFER_MODEL") or (
+        "qwen2.5-7b" if device.type == "cuda" else "smollm2-135m")
+    return Preset(name, device, model,
+                  BenchConfig(engines, (1, 4, 8), prompt_len=64, new_tokens=32, warmup=1,
+                              repeat=3, chapter=chapter))
+
+
+def recorded_results(chapter: str) -> pd.DataFrame:
+    """Every device's CSV for a chapter, written by ``make chapter-NN`` runs."""
+    files = sorted((RESULTS / f"ch{chapter}").glob("*.csv"))
+    if not files:
+        return pd.DataFrame()
+    return pd.concat([pd.read_csv(f, dtype={"chapter": str}) for f in files], ignore_index=True)
+
+
+def tok_s_table(df: pd.DataFrame, value: str = "tok_s") -> pd.DataFrame:
+    """Devices x batch sizes as rows, engines as columns."""
+    return df.pivot_table(index=["device_name", "model", "dtype", "batch_size"], columns="engine",
+                          values=value, sort=False).round(1)

@@ -1,0 +1,82 @@
+"""CLI: user errors exit 2 with one clear line; generate and bench produce what they promise."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from miniinfer.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "miniinfer", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--engine", "turbo", "--prompt", "hi"], "unknown engine 'turbo'"),
+        (["generate", "--model", "llama-99b", "--prompt", "hi"], "unknown model 'llama-99b'"),
+        (["generate", "--model", "tiny", "--prompt", "   "], "prompt 0 is empty"),
+        (["generate", "--model", "tiny"], "no prompt given"),
+        (["generate", "--model", "tiny", "--prompt", "hi", "--temperature", "-1"],
+         "temperature must be >= 0"),
+        (["generate", "--model", "tiny", "--prompt", "word " * 600], "more than the model's context"),
+        (["bench", "--engines", "hf,warp"], "unknown engine(s) warp"),
+        (["repro", "99"], "unknown chapter '99'"),
+    ],
+)
+def test_user_errors_exit_2_with_one_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_error_from_a_real_process_has_no_traceback():
+    proc = run_cli("generate", "--engine", "nope", "--prompt", "x")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("miniinfer: error: unknown engine 'nope'")
+    assert "Traceback" not in proc.stderr
+
+
+def test_generate_json_naive_equals_hf(capsys):
+    args = ["generate", "--model", "smollm2-135m", "--device", "cpu", "--prompt",
+            "The capital of France is", "--prompt", "Hi", "--max-new-tokens", "8", "--json"]
+    outputs = {}
+    for engine in ("naive", "hf"):
+        assert main([*args, "--engine", engine]) == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        outputs[engine] = [json.loads(line) for line in lines]
+    assert [o["token_ids"] for o in outputs["naive"]] == [o["token_ids"] for o in outputs["hf"]]
+    first = outputs["naive"][0]
+    assert first["prompt"] == "The capital of France is" and "Paris" in first["text"]
+
+
+def test_generate_reads_jsonl(tmp_path, capsys):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "One"}\n"Two"\n')
+    assert main(["generate", "--model", "tiny", "--prompts", str(path), "--max-new-tokens", "3",
+                 "--ignore-eos", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["prompt"] for r in rows] == ["One", "Two"]
+    assert all(len(r["token_ids"]) == 3 for r in rows)
+
+
+def test_bench_writes_tidy_csv(tmp_path):
+    out = tmp_path / "bench.csv"
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1,2",
+                 "--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--repeat", "2",
+                 "--chapter", "01", "--out", str(out)]) == 0
+    df = pd.read_csv(out)
+    required = ["chapter", "engine", "model", "device", "device_name", "dtype", "batch_size",
+                "prompt_len", "new_tokens", "repeats", "tok_s", "step_ms", "ttft_ms", "tpot_ms",
+                "pct_of_hf", "torch", "transformers", "git_sha", "date"]
+    assert set(required) <= set(df.columns)
+    assert len(df) == 4 and set(df.engine) == {"hf", "naive"}
+    assert df[df.engine == "hf"].pct_of_hf.tolist() == pytest.approx([100, 100])
+    assert (df.tok_s > 0).all() and (df.new_tokens == 4).all()
