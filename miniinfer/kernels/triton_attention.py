@@ -1,0 +1,185 @@
+"""Our own paged attention kernel in Triton: it reads K/V straight from the blocks named by the
+block table, with no gather into a dense copy and no dense mask.
+
+One kernel serves decode and varlen (prefill chunks, mixed with decodes): a program owns one
+(request, kv head, tile of query rows). A query row is one (query token, query head of the
+GQA group) pair, so the heads that share a kv head share every K/V load; decode is the case of
+one token per request, where the tile holds the whole group and the grid is one program per
+(request, kv head). The program walks the request's block table one block at a time and keeps
+an online softmax: a running max and running sum per row, and an fp32 accumulator rescaled
+whenever the max grows, so the context never has to fit in one tile.
+
+Layouts and the block table padding convention are those of :mod:`.reference`.
+
+Importing this module never fails: without Triton, :func:`unavailable_reason` says why. On a
+CPU the kernel runs only in Triton's interpreter, which ``@triton.jit`` chooses when this module
+is imported, if ``TRITON_INTERPRET=1`` is set by then (see :mod:`miniinfer.kernels`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+except ImportError as exc:
+    triton = None
+    _IMPORT_ERROR = f"triton is not installed ({exc})"
+
+# Query rows per program for prefill tiles. tl.dot needs every dimension >= 16.
+_PREFILL_ROWS = 64
+_MIN_DOT_DIM = 16
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        # Triton 3.9's interpreter multiplies bf16 tiles as their raw uint16 bits. Products of
+        # bf16 numbers are exact in fp32, so upcasting there computes what the GPU's bf16 dot
+        # with fp32 accumulation computes.
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+        cu_seqlens_q_ptr, scale,
+        stride_q_token, stride_q_head,
+        stride_out_token, stride_out_head,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_block_tables,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        DOT_UPCAST: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        tile = tl.program_id(2)
+
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
+        q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        # The grid is sized for the longest request; shorter ones have fewer tiles.
+        if tile * ROWS // GROUP >= q_len:
+            return
+        context_len = tl.load(context_lens_ptr + seq)
+
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        token = rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = token < q_len
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+
+        q = tl.load(q_ptr + (q_start + token)[:, None] * stride_q_token
+                    + head[:, None] * stride_q_head + dims[None, :],
+                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        # Causal limit per row: the queries are the last q_len tokens of the context. Padding
+        # rows borrow the last real row's limit, so every row sees position 0 and the running
+        # max is finite after the first block (no inf - inf = NaN).
+        q_position = context_len - q_len + tl.minimum(token, q_len - 1)
+        # Blocks past the tile's last visible position are skipped, not masked.
+        last_token = tl.minimum((tile * ROWS + ROWS - 1) // GROUP, q_len - 1)
+        kv_end = context_len - q_len + last_token + 1
+
+        running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PADDED], dtype=tl.float32)
+        slots = tl.arange(0, BLOCK_SIZE)
+        head_offset = kv_head * stride_cache_head
+        for block_index in range(0, tl.cdiv(kv_end, BLOCK_SIZE)):
+            block = tl.load(block_tables_ptr + seq * stride_block_tables + block_index)
+            # int64: block * stride can pass 2**31 elements in a large cache.
+            block_offset = block.to(tl.int64) * stride_cache_block + head_offset
+            positions = block_index * BLOCK_SIZE + slots
+            # Slots past kv_end (the tail of a request's last block) may be stale or never
+            # written, NaN included, so they are not loaded: 0 * NaN would poison the sum.
+            in_context = positions < kv_end
+            k = tl.load(k_cache_ptr + block_offset + slots[None, :] * stride_cache_slot
+                        + dims[:, None],
+                        mask=in_context[None, :] & dim_valid[:, None], other=0.0)
+            scores = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale  # [ROWS, BLOCK_SIZE]
+            scores = tl.where(positions[None, :] <= q_position[:, None], scores, float("-inf"))
+
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            rescale = tl.exp(running_max - new_max)
+            probs = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            v = tl.load(v_cache_ptr + block_offset + slots[:, None] * stride_cache_slot
+                        + dims[None, :],
+                        mask=in_context[:, None] & dim_valid[None, :], other=0.0)
+            acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            running_max = new_max
+
+        out = acc / running_sum[:, None]
+        tl.store(out_ptr + (q_start + token)[:, None] * stride_out_token
+                 + head[:, None] * stride_out_head + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+    # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
+    INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+else:
+    INTERPRETED = False
+
+
+def unavailable_reason(device: torch.device, block_size: int | None = None) -> str | None:
+    """Why the kernel cannot run on ``device`` (None: it can)."""
+    if triton is None:
+        return _IMPORT_ERROR
+    if device.type == "cpu" and not INTERPRETED:
+        return ("Triton runs on a CPU only in its interpreter: set TRITON_INTERPRET=1 in the "
+                "environment before miniinfer.kernels is imported")
+    if device.type not in ("cpu", "cuda"):
+        return f"the Triton kernel runs on CUDA (or interpreted on CPU), not {device.type}"
+    if block_size is not None and (block_size < _MIN_DOT_DIM or block_size & (block_size - 1)):
+        return f"the Triton kernel needs a power-of-two block size >= {_MIN_DOT_DIM}, got {block_size}"
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Same contract as :func:`.reference.paged_decode_attention`."""
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables,
+                                  context_lens, scale, max_seqlen_q=1)
+
+
+def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float,
+                           max_seqlen_q: int | None = None) -> torch.Tensor:
+    """Same contract as :func:`.reference.paged_varlen_attention`."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if reason := unavailable_reason(q.device, block_size):
+        raise RuntimeError(reason)
+    group = q.shape[1] // num_kv_heads
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache must have a contiguous last (head_dim) dim")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same layout (strides)")
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    # Decode fits the whole group in one tile (one program per request and kv head); longer
+    # queries are cut into tiles of _PREFILL_ROWS rows.
+    rows_per_tile = max(_MIN_DOT_DIM,
+                        min(_PREFILL_ROWS, triton.next_power_of_2(group * max_seqlen_q)))
+    out = torch.empty_like(q)
+    batch = len(context_lens)
+    grid = (batch, num_kv_heads, triton.cdiv(max_seqlen_q * group, rows_per_tile))
+    _paged_attention_kernel[grid](
+        q, out, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
+        GROUP=group, BLOCK_SIZE=block_size, ROWS=rows_per_tile,
+        # fp32 inputs would otherwise run as TF32 on tensor cores (about 3 decimal digits);
+        # bf16/fp16 keep the backend's default.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
+    )
+    return out
