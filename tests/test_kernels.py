@@ -1,0 +1,282 @@
+"""Chapter 06: every paged attention backend agrees with dense attention and with the others.
+
+Each case stores random K/V for a few requests into a paged cache through shuffled block tables
+and compares the kernels with a naive float64 softmax(QK^T)V over the dense K/V. Cache slots
+that were never written, including the padding of the block tables, are NaN, so a kernel that
+reads past a context length fails loudly.
+
+Backends the device cannot run are skipped in-process. On a CPU the Triton kernel runs in its
+interpreter, which must be switched on before the kernel is imported, so
+``test_triton_cases_in_subprocess`` runs this file's Triton cases in a subprocess with
+``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from miniinfer import MiniInferError, UnknownNameError, kernels
+from miniinfer.kernels import (
+    BACKENDS,
+    available_backends,
+    get_backend,
+    store_kv,
+    triton_attention,
+    unavailable_reason,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CONTEXT_LENS = (1, 15, 16, 17, 33, 100)  # inside, at and just past block boundaries
+NUM_KV_HEADS = 2
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# (block size, GQA group, head dim, dtype); 256 is the smallest block flash-attn accepts.
+SHAPES = [(block_size, group, head_dim, dtype)
+          for block_size in (16, 32) for group in (1, 3, 4, 7) for head_dim in (64, 128)
+          for dtype in (torch.float32, torch.bfloat16)]
+FLASH_SHAPES = [(256, 4, 128, torch.bfloat16), (256, 1, 64, torch.bfloat16)]
+# The interpreter is slow: on a CPU, Triton gets the shapes of five sweep cases that between
+# them cover every block size, group, head dim, dtype and context length, with batches of 3-5.
+INTERPRETER_SHAPES = [(16, 3, 64, torch.float32), (16, 7, 64, torch.bfloat16),
+                      (32, 1, 128, torch.bfloat16), (32, 3, 128, torch.float32),
+                      (32, 4, 128, torch.bfloat16)]
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor  # [total_q, num_heads, head_dim]
+    cu_seqlens_q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    dense_k: list[torch.Tensor]  # per request [context_len, num_kv_heads, head_dim]
+    dense_v: list[torch.Tensor]
+    scale: float
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return int((self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).max())
+
+
+def make_case(seed: int, context_lens: list[int], q_lens: list[int], block_size: int,
+              group: int, head_dim: int, dtype: torch.dtype) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    # One spare block is never written: it stays NaN and is what the table padding points at.
+    num_blocks = sum(blocks_per_seq) + 1
+    shuffled = torch.randperm(num_blocks, generator=gen)
+    never_written = int(shuffled[-1])
+    shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    block_tables = torch.full((len(context_lens), max(blocks_per_seq) + 1), never_written,
+                              dtype=torch.int32)
+    dense_k, dense_v, slot_mapping = [], [], []
+    first = 0
+    for i, (context_len, n_blocks) in enumerate(zip(context_lens, blocks_per_seq, strict=True)):
+        blocks = shuffled[first:first + n_blocks]
+        first += n_blocks
+        block_tables[i, :n_blocks] = blocks
+        tokens = torch.arange(context_len)
+        slot_mapping.append(blocks[tokens // block_size] * block_size + tokens % block_size)
+        kv_shape = (context_len, NUM_KV_HEADS, head_dim)
+        dense_k.append(torch.randn(kv_shape, generator=gen).to(dtype))
+        dense_v.append(torch.randn(kv_shape, generator=gen).to(dtype))
+    store_kv(torch.cat(dense_k), torch.cat(dense_v), k_cache, v_cache, torch.cat(slot_mapping))
+
+    cu_seqlens_q = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(sum(q_lens), NUM_KV_HEADS * group, head_dim, generator=gen).to(dtype)
+    to_device = {"device": DEVICE}
+    return PagedCase(q.to(**to_device), cu_seqlens_q.to(**to_device), k_cache.to(**to_device),
+                     v_cache.to(**to_device), block_tables.to(**to_device),
+                     torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
+                     dense_k, dense_v, head_dim**-0.5)
+
+
+def sweep_case(index: int, shape: tuple, prefill: bool) -> PagedCase:
+    """Case ``index`` of the sweep: batch 1..5, context lens cycling through CONTEXT_LENS; with
+    ``prefill``, query counts cycle through a whole prompt, a decode and half a prompt."""
+    block_size, group, head_dim, dtype = shape
+    batch = 1 + index % 5
+    context_lens = [CONTEXT_LENS[(index + j) % len(CONTEXT_LENS)] for j in range(batch)]
+    q_lens = [(n, 1, (n + 1) // 2)[j % 3] if prefill else 1 for j, n in enumerate(context_lens)]
+    return make_case(index, context_lens, q_lens, block_size, group, head_dim, dtype)
+
+
+def naive_attention(case: PagedCase) -> torch.Tensor:
+    """Dense causal attention per request in float64, GQA by repeating the kv heads."""
+    group = case.q.shape[1] // NUM_KV_HEADS
+    outs = []
+    for i, (k, v) in enumerate(zip(case.dense_k, case.dense_v, strict=True)):
+        q = case.q[case.cu_seqlens_q[i]:case.cu_seqlens_q[i + 1]].cpu().double()
+        k = k.double().repeat_interleave(group, dim=1)
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
+        q_positions = len(k) - len(q) + torch.arange(len(q))
+        visible = torch.arange(len(k))[None, :] <= q_positions[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", probs, v))
+    return torch.cat(outs)
+
+
+def require(backend: str, block_size: int, dtype: torch.dtype) -> None:
+    if reason := unavailable_reason(backend, DEVICE, block_size):
+        pytest.skip(reason)
+    if backend == "flash-attn" and dtype == torch.float32:
+        pytest.skip("flash-attn computes in fp16/bf16 only")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.dtype == dtype and not actual.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), atol=tol, rtol=tol)
+
+
+def shape_id(shape: tuple) -> str:
+    block_size, group, head_dim, dtype = shape
+    return f"bs{block_size}-g{group}-d{head_dim}-{str(dtype).removeprefix('torch.')}"
+
+
+def sweep_params(shapes: list[tuple], varlen: bool) -> list:
+    params = []
+    for name, backend in BACKENDS.items():
+        if varlen and backend.varlen is None:
+            continue
+        interpreted = name == "triton" and DEVICE.type == "cpu"
+        params += [pytest.param(name, index, shape, id=f"{name}-{shape_id(shape)}")
+                   for index, shape in enumerate(shapes)
+                   if not interpreted or shape in INTERPRETER_SHAPES]
+    return params
+
+
+DECODE_PARAMS = sweep_params(SHAPES + FLASH_SHAPES, varlen=False)
+VARLEN_PARAMS = sweep_params(SHAPES, varlen=True)
+
+
+@pytest.mark.parametrize(("backend", "index", "shape"), DECODE_PARAMS)
+def test_decode_matches_dense_attention(backend, index, shape):
+    require(backend, shape[0], shape[3])
+    case = sweep_case(index, shape, prefill=False)
+    out = get_backend(backend, DEVICE).decode(case.q, case.k_cache, case.v_cache,
+                                              case.block_tables, case.context_lens, case.scale)
+    assert_close(out, naive_attention(case), shape[3])
+    if backend != "torch":
+        reference = BACKENDS["torch"].decode(case.q, case.k_cache, case.v_cache,
+                                             case.block_tables, case.context_lens, case.scale)
+        assert_close(out, reference, shape[3])
+
+
+@pytest.mark.parametrize(("backend", "index", "shape"), VARLEN_PARAMS)
+def test_varlen_matches_dense_attention(backend, index, shape):
+    """Whole prompts, decodes and prompt chunks (the later half of a prompt whose first half
+    is already cached) in one call, as chunked prefill issues them."""
+    require(backend, shape[0], shape[3])
+    case = sweep_case(index, shape, prefill=True)
+    args = (case.q, case.k_cache, case.v_cache, case.cu_seqlens_q, case.block_tables,
+            case.context_lens, case.scale)
+    out = get_backend(backend, DEVICE).varlen(*args, max_seqlen_q=case.max_seqlen_q)
+    assert_close(out, naive_attention(case), shape[3])
+    if backend != "torch":
+        assert_close(out, BACKENDS["torch"].varlen(*args), shape[3])
+
+
+@pytest.mark.parametrize("backend", [name for name, b in BACKENDS.items() if b.varlen])
+def test_decode_is_varlen_with_one_query(backend):
+    require(backend, 16, torch.float32)
+    case = sweep_case(4, (16, 4, 64, torch.float32), prefill=False)
+    impl = get_backend(backend, DEVICE)
+    decode = impl.decode(case.q, case.k_cache, case.v_cache, case.block_tables,
+                         case.context_lens, case.scale)
+    varlen = impl.varlen(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q,
+                         case.block_tables, case.context_lens, case.scale)
+    torch.testing.assert_close(decode, varlen, atol=1e-6, rtol=1e-6)
+
+
+def test_store_kv_round_trip():
+    case = make_case(0, [17, 33], [1, 1], 16, 1, 64, torch.float32)
+    flat_k = case.k_cache.view(-1, NUM_KV_HEADS, 64)
+    flat_v = case.v_cache.view(-1, NUM_KV_HEADS, 64)
+    block_size = case.k_cache.shape[1]
+    written = 0
+    for i, (k, v) in enumerate(zip(case.dense_k, case.dense_v, strict=True)):
+        tokens = torch.arange(len(k), device=DEVICE)
+        slots = case.block_tables[i, tokens // block_size].long() * block_size + tokens % block_size
+        torch.testing.assert_close(flat_k[slots].cpu(), k)
+        torch.testing.assert_close(flat_v[slots].cpu(), v)
+        written += len(k)
+    # Every other slot is untouched: exactly the written ones lost their NaN.
+    assert int((~flat_k.isnan()).all(dim=(1, 2)).sum()) == written
+    assert int((~flat_v.isnan()).all(dim=(1, 2)).sum()) == written
+
+
+def test_auto_picks_the_reference_off_cuda():
+    assert get_backend(None, "cpu").name == "torch"
+    assert get_backend("auto", "cpu").name == "torch"
+    assert "torch" in available_backends("cpu")
+
+
+def test_unknown_backend_lists_the_names():
+    with pytest.raises(UnknownNameError, match="flash-attn, triton, torch"):
+        get_backend("cudnn", "cpu")
+
+
+def test_unavailable_backend_says_why():
+    with pytest.raises(MiniInferError, match="'flash-attn' is not available on cpu"):
+        get_backend("flash-attn", "cpu")
+    if triton_attention.triton is not None and not triton_attention.INTERPRETED:
+        with pytest.raises(MiniInferError, match="TRITON_INTERPRET=1"):
+            get_backend("triton", "cpu")
+
+
+def test_triton_refuses_blocks_it_cannot_tile():
+    if triton_attention.triton is None:
+        pytest.skip("triton is not installed")
+    assert "power-of-two" in unavailable_reason("triton", "cuda", block_size=8)
+
+
+@pytest.mark.parametrize(("module", "package"), [("triton_attention", "triton"),
+                                                 ("flash", "flash_attn")])
+def test_kernels_import_when_optional_packages_are_missing(monkeypatch, module, package):
+    monkeypatch.setitem(sys.modules, package, None)  # makes `import <package>` fail
+    path = Path(kernels.__file__).with_name(f"{module}.py")
+    spec = importlib.util.spec_from_file_location(f"without_{package}", path)
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)
+    assert fresh.unavailable_reason(torch.device("cuda")).startswith(package)
+
+
+def test_triton_cases_in_subprocess():
+    """The Triton cases of this file, run by Triton's interpreter on CPU tensors."""
+    if triton_attention.triton is None:
+        pytest.skip("triton is not installed")
+    if unavailable_reason("triton", DEVICE) is None:
+        pytest.skip("the Triton cases already ran in this process")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+         "-k", "triton and not subprocess"],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout
+
+
+def test_triton_interpreter_runs_on_cpu_tensors():
+    """Run in the interpreter subprocess: the kernel really is interpreted, on CPU tensors."""
+    if not triton_attention.INTERPRETED:
+        pytest.skip("needs TRITON_INTERPRET=1 at import (see test_triton_cases_in_subprocess)")
+    case = sweep_case(0, (16, 3, 64, torch.float32), prefill=False)
+    out = triton_attention.paged_decode_attention(case.q.cpu(), case.k_cache.cpu(),
+                                                  case.v_cache.cpu(), case.block_tables.cpu(),
+                                                  case.context_lens.cpu(), case.scale)
+    assert out.device.type == "cpu"
+    assert available_backends("cpu") == ["triton", "torch"]
+    assert get_backend("auto", "cpu").name == "torch"
