@@ -57,3 +57,32 @@ def tok_s_table(df: pd.DataFrame, value: str = "tok_s") -> pd.DataFrame:
     """Devices x batch sizes as rows, engines as columns."""
     return df.pivot_table(index=["device_name", "model", "dtype", "batch_size"], columns="engine",
                           values=value, sort=False).round(1)
+
+
+def results_markdown() -> str:
+    """Every recorded benchmark as markdown tables (one per chapter and device): tok/s and
+    % of HF per engine and batch size. The README's results section is this output."""
+    out = []
+    for chapter_dir in sorted(RESULTS.glob("ch*")):
+        df = recorded_results(chapter_dir.name.removeprefix("ch"))
+        if df.empty or "tok_s" not in df:
+            continue
+        for (name, model, dtype), dev in df.groupby(["device_name", "model", "dtype"], sort=False):
+            table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s",
+                                    sort=False)
+            pct = dev.pivot_table(index="batch_size", columns="engine", values="pct_of_hf",
+                                  sort=False)
+            cells = table.round(1).astype(str) + " (" + pct.round(0).astype(int).astype(str) + "%)"
+            first = dev.iloc[0]
+            out.append(f"**{chapter_dir.name}**, {name}, {model} {dtype}, prompt "
+                       f"{first.prompt_len}, {first.new_tokens} new tokens, p50 of "
+                       f"{first.repeats}, torch {first.torch}, transformers {first.transformers}, "
+                       f"git {first.git_sha}: tok/s (% of hf)\n")
+            out.append(_markdown(cells.reset_index()) + "\n")
+    return "\n".join(out)
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    rows = [list(map(str, df.columns)), ["---"] * len(df.columns)]
+    rows += [list(map(str, r)) for r in df.itertuples(index=False)]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)

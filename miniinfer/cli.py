@@ -1,4 +1,4 @@
-"""Command line: ``python -m miniinfer generate | bench | engines | models | repro NN``.
+"""Command line: ``python -m miniinfer generate | bench | engines | models | results | repro NN``.
 
 User errors (unknown names, empty or over-long prompts, impossible sampling values) print one
 line to stderr and exit with status 2; anything else is a bug and keeps its traceback.
@@ -133,6 +133,12 @@ def cmd_repro(args: argparse.Namespace) -> None:
     reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
 
 
+def cmd_results(args: argparse.Namespace) -> None:
+    from .book import results_markdown
+
+    print(results_markdown() or "no results recorded yet (run make chapter-01)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="miniinfer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
     sub.add_parser("models", help="list models").set_defaults(func=cmd_models)
+
+    sub.add_parser("results", help="recorded results as markdown tables").set_defaults(
+        func=cmd_results)
 
     repro = sub.add_parser("repro", help="rerun a chapter's benchmark here and re-execute its notebook")
     repro.add_argument("chapter", help="chapter number, e.g. 01")

@@ -1,17 +1,39 @@
-"""Profiler ranges for the engines' decode step (chapter 05 builds the analysis on top).
+"""Profiler ranges for the engines' decode step, and the analysis on top of them (chapters 04-05).
 
 ``phase(name)`` marks a named range with ``torch.profiler.record_function``. Ranges can be
 switched off entirely (``set_ranges(False)``) so chapter 05 can measure what they cost when no
 profiler is running.
+
+``profile_decode`` runs an engine under ``torch.profiler``, exports the Chrome trace (gzipped,
+opens in Perfetto or chrome://tracing) and loads its events into DuckDB, so the questions of the
+chapters are plain SQL: which ops ran inside the first ``write_decode_kv`` window, how many
+milliseconds each phase takes per step.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+import gzip
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
 
-from torch.profiler import record_function
+import duckdb
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .sampling import SamplingParams
 
 _ranges_on = True
+
+# The labelled phases of a paged engine's decode step, in execution order.
+STEP = "decode_step"
+PHASES = ("prepare_inputs", "gather_batch_kv", "build_cache", "model_forward", "sample",
+          "write_decode_kv")
 
 
 def set_ranges(enabled: bool) -> None:
@@ -19,5 +41,134 @@ def set_ranges(enabled: bool) -> None:
     _ranges_on = enabled
 
 
+@contextmanager
+def ranges_disabled() -> Iterator[None]:
+    previous = _ranges_on
+    set_ranges(False)
+    try:
+        yield
+    finally:
+        set_ranges(previous)
+
+
 def phase(name: str) -> AbstractContextManager:
     return record_function(name) if _ranges_on else nullcontext()
+
+
+@dataclass(slots=True)
+class Trace:
+    """A profiled run: its events in a DuckDB table ``events`` and the trace file on disk."""
+
+    events: pd.DataFrame
+    path: Path | None
+    warmup_steps: int
+
+    def sql(self, query: str, params: list | None = None) -> pd.DataFrame:
+        con = duckdb.connect()
+        con.register("events", self.events)
+        return con.execute(query, params or []).df()
+
+
+def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: int = 2,
+                   trace_path: str | Path | None = None) -> Trace:
+    """Profile one generate of ``warmup_steps + steps`` tokens. The first ``warmup_steps``
+    decode windows are kept in the trace but left out of the per-step figures."""
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    # +1: the first token comes from prefill, not from a decode step.
+    params = SamplingParams(max_new_tokens=warmup_steps + steps + 1, ignore_eos=True)
+    engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, params)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text())["traceEvents"]
+        if trace_path is not None:
+            trace_path = Path(trace_path)
+            trace_path.parent.mkdir(parents=True, exist_ok=True)
+            with raw.open("rb") as src, gzip.open(trace_path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    rows = [
+        {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),
+         "tid": str(e.get("tid")), "pid": str(e.get("pid"))}
+        for e in events if e.get("ph") == "X" and "dur" in e
+    ]
+    return Trace(pd.DataFrame(rows), Path(trace_path) if trace_path else None, warmup_steps)
+
+
+# Measured decode steps: the step windows after the warm-up ones, numbered from 0.
+_STEPS_SQL = """
+    WITH steps AS (
+        SELECT ts, ts + dur AS te, dur, tid,
+               row_number() OVER (ORDER BY ts) - 1 - $warmup AS step
+        FROM events WHERE cat = 'user_annotation' AND name = $step_name
+    )
+"""
+
+
+def phase_table(trace: Trace) -> pd.DataFrame:
+    """CPU ms per decode step for each labelled phase, its share of the step, and what is left
+    unlabelled. Phases are the ranges nested directly in the step window."""
+    query = _STEPS_SQL + """
+        , measured AS (SELECT * FROM steps WHERE step >= 0)
+        SELECT e.name AS phase, sum(e.dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step
+        FROM events e JOIN measured s
+          ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
+        WHERE e.cat = 'user_annotation' AND e.name IN (SELECT unnest($phases))
+        GROUP BY e.name
+    """
+    params = {"warmup": trace.warmup_steps, "step_name": STEP, "phases": list(PHASES)}
+    df = trace.sql(query, params)
+    step_ms = trace.sql(_STEPS_SQL + "SELECT avg(dur) / 1e3 AS ms FROM steps WHERE step >= 0",
+                        {"warmup": trace.warmup_steps, "step_name": STEP}).ms.iloc[0]
+    order = {name: i for i, name in enumerate(PHASES)}
+    df = df.sort_values("phase", key=lambda s: s.map(order)).reset_index(drop=True)
+    unlabelled = step_ms - df.ms_per_step.sum()
+    df = pd.concat([df, pd.DataFrame([{"phase": "(unlabelled)", "ms_per_step": unlabelled},
+                                      {"phase": STEP, "ms_per_step": step_ms}])],
+                   ignore_index=True)
+    df["share_of_step"] = df.ms_per_step / step_ms
+    return df
+
+
+def ops_in_window(trace: Trace, range_name: str, step: int = 0) -> pd.DataFrame:
+    """aten ops inside the ``range_name`` window of measured decode step ``step``: name, count,
+    total ms and mean us (nested ops are counted too: ``aten::index_select`` calling
+    ``aten::empty`` shows both)."""
+    query = _STEPS_SQL + """
+        , window AS (
+            SELECT r.ts, r.ts + r.dur AS te, r.tid FROM events r JOIN steps s
+              ON r.tid = s.tid AND r.ts >= s.ts AND r.ts + r.dur <= s.te
+            WHERE s.step = $step AND r.cat = 'user_annotation' AND r.name = $range_name
+        )
+        SELECT e.name, count(*) AS count, sum(e.dur) / 1e3 AS total_ms, avg(e.dur) AS avg_us
+        FROM events e JOIN window w ON e.tid = w.tid AND e.ts >= w.ts AND e.ts + e.dur <= w.te
+        WHERE e.cat = 'cpu_op'
+        GROUP BY e.name ORDER BY count DESC, total_ms DESC
+    """
+    return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP, "step": step,
+                             "range_name": range_name})
+
+
+def top_ops(trace: Trace, limit: int = 15, device: bool = False) -> pd.DataFrame:
+    """The heaviest operators (CPU) or kernels (``device=True``, CUDA only) over the whole run."""
+    cat = "kernel" if device else "cpu_op"
+    return trace.sql(
+        "SELECT name, count(*) AS count, sum(dur) / 1e3 AS total_ms FROM events "
+        "WHERE cat = $cat GROUP BY name ORDER BY total_ms DESC LIMIT $limit",
+        {"cat": cat, "limit": limit})
+
+
+def profiled_tokens_match(engine, prompts: list[list[int]], new_tokens: int) -> bool:
+    """Profiling must observe, not change: the same greedy tokens with and without it."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    plain = engine.generate(prompts, params).token_ids
+    with profile(activities=[ProfilerActivity.CPU]):
+        profiled = engine.generate(prompts, params).token_ids
+    return plain == profiled
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
