@@ -1,0 +1,184 @@
+"""Paged KV cache (chapter 02 onward): K/V live in fixed-size blocks of one preallocated pool.
+
+A request does not own a contiguous ``[max_context, ...]`` slab; it owns a *block table*, the
+list of pool blocks holding its tokens in order. Token ``t`` of a request lives in *slot*
+``block_table[t // block_size] * block_size + t % block_size`` of the pool, and a list of such
+slots is a *slot mapping*. Memory is taken one block at a time as a sequence grows and all of it
+comes back the moment the request finishes, so no request reserves room it may never use.
+
+``BlockManager`` is the bookkeeping (a free list and the block tables, pure Python);
+``PagedKVCache`` adds the tensor the blocks index into.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequestError, KVCacheFull
+from .models import LoadedModel
+
+DEFAULT_BLOCK_SIZE = 16
+# The pool is allocated when an engine is built, used or not, next to the model on whatever
+# device the reader has (a laptop CPU included): 1 GiB bounds it. A model with a short context
+# needs far less, so the default also stops at room for this many full-context sequences, the
+# largest batch the chapters benchmark: the tiny test model then gets a few MB, not 1 GiB.
+DEFAULT_MEMORY_BYTES = 1 << 30
+DEFAULT_MAX_SEQUENCES = 8
+
+RequestId = Hashable
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(slots=True)
+class KVCacheConfig:
+    """How big the block pool is: ``num_blocks`` blocks, or as many as ``memory_bytes`` holds.
+    With neither, see ``DEFAULT_MEMORY_BYTES``."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_blocks: int | None = None
+    memory_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for field, value in (("block_size", self.block_size), ("num_blocks", self.num_blocks),
+                             ("memory_bytes", self.memory_bytes)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(f"{field} must be an integer >= 1, got {value!r}")
+        if self.num_blocks is not None and self.memory_bytes is not None:
+            raise InvalidRequestError("give num_blocks or memory_bytes, not both")
+
+    def resolve_num_blocks(self, bytes_per_block: int, max_context: int) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        if self.memory_bytes is not None:
+            if self.memory_bytes < bytes_per_block:
+                raise InvalidRequestError(
+                    f"memory_bytes={self.memory_bytes} holds no KV block; one block of "
+                    f"{self.block_size} tokens takes {bytes_per_block} bytes"
+                )
+            return self.memory_bytes // bytes_per_block
+        enough = DEFAULT_MAX_SEQUENCES * blocks_for(max_context, self.block_size)
+        return max(1, min(DEFAULT_MEMORY_BYTES // bytes_per_block, enough))
+
+
+class BlockManager:
+    """Hands out pool blocks from a free list and keeps each request's block table.
+
+    Every call either succeeds or changes nothing: a request that cannot get all the blocks it
+    needs gets none, so a ``KVCacheFull`` leaves the manager as it was.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_list: deque[int] = deque(range(num_blocks))
+        self.block_tables: dict[RequestId, list[int]] = {}
+        self.num_tokens: dict[RequestId, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_list)
+
+    def __contains__(self, request_id: RequestId) -> bool:
+        return request_id in self.block_tables
+
+    def add(self, request_id: RequestId, num_tokens: int) -> list[int]:
+        """Start a request with room for its ``num_tokens`` prompt tokens; returns its blocks."""
+        if request_id in self.block_tables:
+            raise InvalidRequestError(f"request {request_id!r} already holds KV blocks")
+        if num_tokens < 0:
+            raise InvalidRequestError(f"num_tokens must be >= 0, got {num_tokens}")
+        self.block_tables[request_id] = self._take(request_id, blocks_for(num_tokens,
+                                                                           self.block_size))
+        self.num_tokens[request_id] = num_tokens
+        return self.block_tables[request_id]
+
+    def append(self, request_id: RequestId, n: int = 1) -> list[int]:
+        """Make room for ``n`` more tokens. A new block is taken only when the last one is full;
+        returns the blocks taken (usually none)."""
+        table = self._table(request_id)
+        total = self.num_tokens[request_id] + n
+        new = self._take(request_id, blocks_for(total, self.block_size) - len(table))
+        table.extend(new)
+        self.num_tokens[request_id] = total
+        return new
+
+    def free(self, request_id: RequestId) -> None:
+        """Give all of a request's blocks back (it finished or was aborted)."""
+        self.free_list.extend(self._table(request_id))
+        del self.block_tables[request_id]
+        del self.num_tokens[request_id]
+
+    def slot(self, request_id: RequestId, t: int) -> int:
+        """Where token ``t`` of the request lives in the pool, counted in tokens."""
+        if not 0 <= t < self.num_tokens.get(request_id, 0):
+            raise IndexError(f"request {request_id!r} has no token {t}")
+        return self.block_tables[request_id][t // self.block_size] * self.block_size \
+            + t % self.block_size
+
+    def _table(self, request_id: RequestId) -> list[int]:
+        if request_id not in self.block_tables:
+            raise InvalidRequestError(f"request {request_id!r} holds no KV blocks")
+        return self.block_tables[request_id]
+
+    def _take(self, request_id: RequestId, needed: int) -> list[int]:
+        if needed > len(self.free_list):
+            raise KVCacheFull(
+                f"request {request_id!r} needs {needed} more KV block(s) but only "
+                f"{len(self.free_list)} of {self.num_blocks} are free "
+                f"(block_size={self.block_size} tokens)"
+            )
+        return [self.free_list.popleft() for _ in range(needed)]
+
+
+class PagedKVCache:
+    """The block pool of a model plus the ``BlockManager`` that owns its blocks.
+
+    ``kv`` holds every layer's K and V in one tensor of shape
+    ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``: ``kv[layer, 0]`` is that
+    layer's K blocks in the layout paged-attention kernels take (``flash_attn_with_kvcache``'s
+    ``k_cache``), and ``slots`` views the same memory token by token.
+    """
+
+    def __init__(self, lm: LoadedModel, config: KVCacheConfig | None = None) -> None:
+        self.config = config or KVCacheConfig()
+        model_config = lm.config
+        self.num_layers = model_config.num_hidden_layers
+        self.kv_heads = model_config.num_key_value_heads
+        self.head_dim = getattr(model_config, "head_dim", None) or \
+            model_config.hidden_size // model_config.num_attention_heads
+        block_size = self.config.block_size
+        bytes_per_block = (self.num_layers * 2 * block_size * self.kv_heads * self.head_dim
+                           * lm.dtype.itemsize)
+        num_blocks = self.config.resolve_num_blocks(bytes_per_block, lm.max_context)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        # Zeros, not empty: a dense gather may read a slot no token was written to yet (its
+        # value is then masked or overwritten), and garbage there could be NaN, which a zero
+        # attention weight does not cancel.
+        self.kv = torch.zeros(
+            (self.num_layers, 2, num_blocks, block_size, self.kv_heads, self.head_dim),
+            dtype=lm.dtype, device=lm.device,
+        )
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``kv`` as ``[num_layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
+        return self.kv.flatten(2, 3)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes

@@ -1,0 +1,189 @@
+"""The block manager and the block pool behind the paged engines (chapter 02 onward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from miniinfer import InvalidRequestError, KVCacheFull
+from miniinfer.kv_cache import (
+    DEFAULT_MEMORY_BYTES,
+    BlockManager,
+    KVCacheConfig,
+    PagedKVCache,
+    blocks_for,
+)
+
+
+def test_append_takes_a_block_only_when_the_last_is_full():
+    manager = BlockManager(num_blocks=4, block_size=16)
+    assert manager.add("a", 16) == [0]
+    assert manager.append("a") == [1]  # token 16 opens a second block
+    assert [manager.append("a") for _ in range(15)] == [[]] * 15
+    assert manager.block_tables["a"] == [0, 1] and manager.num_tokens["a"] == 32
+    assert manager.append("a", 3) == [2]
+    assert manager.num_free_blocks == 1
+
+
+def test_slot_follows_the_block_table():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    manager.add("a", 3)  # block 0
+    manager.add("b", 6)  # blocks 1, 2
+    manager.append("a", 2)  # token 4 opens block 3
+    assert manager.block_tables["a"] == [0, 3]
+    assert [manager.slot("a", t) for t in range(5)] == [0, 1, 2, 3, 12]
+    assert [manager.slot("b", t) for t in range(6)] == [4, 5, 6, 7, 8, 9]
+    with pytest.raises(IndexError):
+        manager.slot("a", 5)
+
+
+def test_free_returns_every_block():
+    manager = BlockManager(num_blocks=5, block_size=2)
+    manager.add(0, 5)
+    manager.add(1, 1)
+    manager.free(0)
+    assert manager.num_free_blocks == 4 and 0 not in manager
+    manager.free(1)
+    assert sorted(manager.free_list) == list(range(5))
+    assert manager.block_tables == {} and manager.num_tokens == {}
+
+
+def test_exhaustion_names_the_numbers_and_changes_nothing():
+    manager = BlockManager(num_blocks=3, block_size=16)
+    manager.add("a", 20)  # 2 blocks
+    with pytest.raises(KVCacheFull, match=r"request 'b' needs 2 more KV block\(s\) but only 1 of "
+                                          r"3 are free \(block_size=16 tokens\)"):
+        manager.add("b", 17)
+    assert "b" not in manager and manager.num_free_blocks == 1
+    manager.append("a", 28)  # 48 tokens: the last free block, full
+    with pytest.raises(KVCacheFull, match="request 'a' needs 1 more KV block.* only 0 of 3"):
+        manager.append("a")
+    assert manager.num_tokens["a"] == 48 and manager.block_tables["a"] == [0, 1, 2]
+
+
+def test_misuse_is_refused():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    manager.add("a", 1)
+    with pytest.raises(InvalidRequestError, match="already holds"):
+        manager.add("a", 1)
+    with pytest.raises(InvalidRequestError, match="holds no KV blocks"):
+        manager.free("b")
+    with pytest.raises(InvalidRequestError, match="holds no KV blocks"):
+        manager.append("b")
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random interleavings of requests starting, growing, finishing and being aborted."""
+
+    NUM_BLOCKS, BLOCK_SIZE = 12, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = BlockManager(self.NUM_BLOCKS, self.BLOCK_SIZE)
+        self.tokens: dict[int, int] = {}  # the model: tokens each live request holds
+        self.next_id = 0
+
+    def _expect(self, rid: int, needed: int, action) -> bool:
+        """Run ``action``; it must fail with KVCacheFull exactly when too few blocks are free,
+        and then leave the manager untouched."""
+        free = self.manager.num_free_blocks
+        tables = {r: list(t) for r, t in self.manager.block_tables.items()}
+        if needed <= free:
+            action()
+            return True
+        with pytest.raises(KVCacheFull, match=f"request {rid} needs {needed} more KV block.*"
+                                              f"only {free} of {self.NUM_BLOCKS} are free"):
+            action()
+        assert self.manager.num_free_blocks == free and self.manager.block_tables == tables
+        return False
+
+    @rule(num_tokens=st.integers(0, 20))
+    def add(self, num_tokens: int) -> None:
+        rid, self.next_id = self.next_id, self.next_id + 1
+        if self._expect(rid, blocks_for(num_tokens, self.BLOCK_SIZE),
+                        lambda: self.manager.add(rid, num_tokens)):
+            self.tokens[rid] = num_tokens
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), n=st.integers(1, 9))
+    def append(self, data, n: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        total = self.tokens[rid] + n
+        needed = blocks_for(total, self.BLOCK_SIZE) - len(self.manager.block_tables[rid])
+        if self._expect(rid, needed, lambda: self.manager.append(rid, n)):
+            self.tokens[rid] = total
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.manager.free(rid)
+        del self.tokens[rid]
+
+    @precondition(lambda self: self.tokens)
+    @rule()
+    def abort_newest(self) -> None:
+        rid = max(self.tokens)
+        self.manager.free(rid)
+        del self.tokens[rid]
+
+    @invariant()
+    def blocks_are_partitioned(self) -> None:
+        owned = [b for table in self.manager.block_tables.values() for b in table]
+        assert len(owned) == len(set(owned)), "a block is in two block tables"
+        assert sorted(owned + list(self.manager.free_list)) == list(range(self.NUM_BLOCKS))
+
+    @invariant()
+    def tables_cover_exactly_their_tokens(self) -> None:
+        assert self.manager.num_tokens == self.tokens
+        slots = []
+        for rid, n in self.tokens.items():
+            assert len(self.manager.block_tables[rid]) == blocks_for(n, self.BLOCK_SIZE)
+            slots += [self.manager.slot(rid, t) for t in range(n)]
+        assert len(slots) == len(set(slots)), "two tokens share a slot"
+        assert all(0 <= s < self.NUM_BLOCKS * self.BLOCK_SIZE for s in slots)
+
+    def teardown(self) -> None:
+        for rid in list(self.tokens):
+            self.manager.free(rid)
+        assert sorted(self.manager.free_list) == list(range(self.NUM_BLOCKS))
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count=40,
+                                            deadline=None,
+                                            suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 0}, "block_size must be an integer >= 1"),
+    ({"num_blocks": 0}, "num_blocks must be an integer >= 1"),
+    ({"memory_bytes": -1}, "memory_bytes must be"),
+    ({"num_blocks": 4, "memory_bytes": 1 << 20}, "not both"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        KVCacheConfig(**kwargs)
+
+
+def test_config_sizes_the_pool():
+    assert KVCacheConfig(num_blocks=7).resolve_num_blocks(1000, 512) == 7
+    assert KVCacheConfig(memory_bytes=10_500).resolve_num_blocks(1000, 512) == 10
+    with pytest.raises(InvalidRequestError, match="holds no KV block"):
+        KVCacheConfig(memory_bytes=999).resolve_num_blocks(1000, 512)
+    # Default: 1 GiB, unless a few full-context sequences need less.
+    assert KVCacheConfig().resolve_num_blocks(1 << 20, 8192) == DEFAULT_MEMORY_BYTES >> 20
+    assert KVCacheConfig(block_size=16).resolve_num_blocks(1000, 512) == 8 * 512 // 16
+
+
+def test_pool_holds_all_layers_in_one_tensor(tiny):
+    cache = PagedKVCache(tiny, KVCacheConfig(block_size=8, num_blocks=5))
+    assert cache.kv.shape == (3, 2, 5, 8, 2, 16)  # layers, K/V, blocks, block_size, heads, dim
+    assert cache.kv.dtype == tiny.dtype and cache.kv.device == tiny.device
+    assert cache.slots.shape == (3, 2, 40, 2, 16)
+    assert cache.slots.data_ptr() == cache.kv.data_ptr()  # a view, not a copy
+    assert torch.count_nonzero(cache.kv) == 0
+    assert cache.block_manager.num_blocks == 5 and cache.nbytes == cache.kv.numel() * 4
