@@ -66,6 +66,18 @@ class Engine:
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         raise NotImplementedError
 
+    def pad_finished(self, tokens: torch.Tensor, finished: torch.Tensor,
+                     params: SamplingParams) -> tuple[torch.Tensor, bool]:
+        """The batch moves in lockstep: a row that has emitted EOS keeps decoding but emits
+        padding, as ``generate`` does. Updates ``finished`` [B] in place; returns the tokens to
+        emit and whether every row is done."""
+        if params.ignore_eos:
+            return tokens, False
+        tokens = tokens.masked_fill(finished, self.lm.pad_token_id)
+        finished |= tokens == self.lm.eos_token_id
+        # .all() copies a flag to the host: the one sync per step a stop check needs.
+        return tokens, bool(finished.all())
+
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
             raise InvalidRequestError("no prompts given")

@@ -41,14 +41,9 @@ class NaiveEngine(Engine):
                 use_cache=True,
                 logits_to_keep=1,  # only the last position's logits are needed
             ).logits[:, -1, :]
-            next_tokens = sample(logits, params, generator)
-            if not params.ignore_eos:
-                # A finished row keeps decoding (the batch moves in lockstep) but emits padding.
-                next_tokens = next_tokens.masked_fill(finished, lm.pad_token_id)
-                finished |= next_tokens == lm.eos_token_id
+            next_tokens, stop = self.pad_finished(sample(logits, params, generator), finished,
+                                                  params)
             generated.append(next_tokens)
-            # .all() copies a flag to the host: the one sync per step a stop check needs.
-            stop = not params.ignore_eos and bool(finished.all())
             clock.tick()
             if stop or step == params.max_new_tokens - 1:
                 break
