@@ -7,8 +7,11 @@ from ..models import LoadedModel
 from .base import Engine, GenerationResult
 from .hf import HFEngine
 from .naive import NaiveEngine
+from .paged_loop import PagedLoopEngine
 
-ENGINES: dict[str, type[Engine]] = {cls.name: cls for cls in (HFEngine, NaiveEngine)}
+ENGINES: dict[str, type[Engine]] = {
+    cls.name: cls for cls in (HFEngine, NaiveEngine, PagedLoopEngine)
+}
 
 
 def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
