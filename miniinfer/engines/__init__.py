@@ -8,10 +8,12 @@ from .base import Engine, GenerationResult
 from .hf import HFEngine
 from .naive import NaiveEngine
 from .paged_loop import PagedLoopEngine
+from .paged_prealloc import PagedPreallocEngine
 from .paged_vectorized import PagedVectorizedEngine
 
 ENGINES: dict[str, type[Engine]] = {
-    cls.name: cls for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine)
+    cls.name: cls
+    for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine)
 }
 
 
