@@ -86,3 +86,31 @@ def _markdown(df: pd.DataFrame) -> str:
     rows = [list(map(str, df.columns)), ["---"] * len(df.columns)]
     rows += [list(map(str, r)) for r in df.itertuples(index=False)]
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def pct_of_hf_table(df: pd.DataFrame) -> pd.DataFrame:
+    """% of HF tok/s (same run) per device and batch size, engines as columns in stage order."""
+    return tok_s_table(df, "pct_of_hf")
+
+
+def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens / s",
+                   floor: bool = True):
+    """One panel per recorded device: ``value`` vs batch size, a line per engine, and the
+    speed-of-light ceiling (batch / floor step time) when ``floor``."""
+    import matplotlib.pyplot as plt
+
+    devices = list(dict.fromkeys(df.device_name))
+    fig, axes = plt.subplots(1, len(devices), figsize=(5.5 * len(devices), 4), squeeze=False)
+    for ax, name in zip(axes[0], devices, strict=True):
+        dev = df[df.device_name == name]
+        for engine, rows in dev.groupby("engine", sort=False):
+            ax.plot(rows.batch_size, rows[value], marker="o", label=engine)
+        if floor and value == "tok_s":
+            ceiling = dev.drop_duplicates("batch_size")
+            ax.plot(ceiling.batch_size, ceiling.batch_size / ceiling.floor_ms * 1e3, "k--",
+                    label="speed of light")
+        ax.set(title=f"{name}\n{dev.model.iloc[0]}, {dev.dtype.iloc[0]}", xlabel="batch size",
+               ylabel=ylabel, xticks=sorted(dev.batch_size.unique()))
+        ax.legend()
+    fig.tight_layout()
+    return fig

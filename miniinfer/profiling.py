@@ -138,13 +138,13 @@ def ops_in_window(trace: Trace, range_name: str, step: int = 0) -> pd.DataFrame:
     total ms and mean us (nested ops are counted too: ``aten::index_select`` calling
     ``aten::empty`` shows both)."""
     query = _STEPS_SQL + """
-        , window AS (
+        , win AS (
             SELECT r.ts, r.ts + r.dur AS te, r.tid FROM events r JOIN steps s
               ON r.tid = s.tid AND r.ts >= s.ts AND r.ts + r.dur <= s.te
             WHERE s.step = $step AND r.cat = 'user_annotation' AND r.name = $range_name
         )
         SELECT e.name, count(*) AS count, sum(e.dur) / 1e3 AS total_ms, avg(e.dur) AS avg_us
-        FROM events e JOIN window w ON e.tid = w.tid AND e.ts >= w.ts AND e.ts + e.dur <= w.te
+        FROM events e JOIN win w ON e.tid = w.tid AND e.ts >= w.ts AND e.ts + e.dur <= w.te
         WHERE e.cat = 'cpu_op'
         GROUP BY e.name ORDER BY count DESC, total_ms DESC
     """

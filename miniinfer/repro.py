@@ -28,8 +28,13 @@ class ChapterRun:
     engines: tuple[str, ...]
 
 
+# Each chapter benchmarks every stage built so far, so its ratios come from one run.
+_STAGES = ("hf", "naive", "paged-loop", "paged-vectorized", "paged-prealloc")
 CHAPTERS: dict[str, ChapterRun] = {
-    "01": ChapterRun("01_naive_hf_decode.ipynb", ("hf", "naive")),
+    "01": ChapterRun("01_naive_hf_decode.ipynb", _STAGES[:2]),
+    "02": ChapterRun("02_paged_kv_cache.ipynb", _STAGES[:3]),
+    "03": ChapterRun("03_vectorized_gather.ipynb", _STAGES[:4]),
+    "04": ChapterRun("04_preallocated_buffers.ipynb", _STAGES[:5]),
 }
 
 
