@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .devices import decode_floor, measure_bandwidth, run_metadata
 from .engines import Engine, GenerationResult, make_engine

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import duckdb
 import pandas as pd
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .sampling import SamplingParams
@@ -161,14 +160,86 @@ def top_ops(trace: Trace, limit: int = 15, device: bool = False) -> pd.DataFrame
         {"cat": cat, "limit": limit})
 
 
-def profiled_tokens_match(engine, prompts: list[list[int]], new_tokens: int) -> bool:
-    """Profiling must observe, not change: the same greedy tokens with and without it."""
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    plain = engine.generate(prompts, params).token_ids
-    with profile(activities=[ProfilerActivity.CPU]):
-        profiled = engine.generate(prompts, params).token_ids
-    return plain == profiled
+def device_phase_ms(trace: Trace) -> pd.DataFrame:
+    """On CUDA, the device time of each phase per measured step: kineto mirrors every
+    ``record_function`` range on the GPU timeline (category ``gpu_user_annotation``) spanning
+    the kernels launched inside it. Empty on CPU."""
+    query = """
+        WITH spans AS (
+            SELECT name, ts, dur, row_number() OVER (PARTITION BY name ORDER BY ts) - 1 AS k
+            FROM events WHERE cat = 'gpu_user_annotation'
+        ),
+        steps AS (SELECT count(*) - $warmup AS n FROM events
+                  WHERE cat = 'user_annotation' AND name = $step_name)
+        SELECT name AS phase, sum(dur) / 1e3 / (SELECT n FROM steps) AS device_ms_per_step
+        FROM spans
+        WHERE name IN (SELECT unnest($phases)) AND k >= $warmup
+        GROUP BY name
+    """
+    return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP,
+                             "phases": [*PHASES, STEP]})
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
+@dataclass(slots=True)
+class DecodeProfile:
+    """Chapter 05's tables for one device (tidy, one row per batch size x item)."""
+
+    phases: pd.DataFrame  # batch_size, phase, ms_per_step, share_of_step[, device_ms_per_step]
+    ops: pd.DataFrame  # engine, batch_size, window, name, count, total_ms, avg_us
+    top: pd.DataFrame  # batch_size, kind (cpu_op / kernel), name, count, total_ms
+    traces: dict[tuple[str, int], Trace]
+
+
+def profile_stages(lm, batch_sizes: tuple[int, ...], prompt_len: int, steps: int,
+                   warmup_steps: int = 2, engine: str = "paged-prealloc",
+                   contrast: str = "paged-loop", trace_dir: Path | None = None,
+                   trace_prefix: str = "") -> DecodeProfile:
+    """Profile ``engine`` (phases, top ops/kernels) and ``contrast`` (op counts only) at each
+    batch size. Traces of ``engine`` are written gzipped to ``trace_dir`` when given."""
+    from .bench import make_prompts
+    from .engines import make_engine
+
+    engines = {name: make_engine(name, lm) for name in (engine, contrast)}
+    phases, ops, top, traces = [], [], [], {}
+    for batch_size in batch_sizes:
+        prompts = make_prompts(lm, batch_size, prompt_len)
+        for name, eng in engines.items():
+            path = None
+            if trace_dir is not None and name == engine:
+                path = Path(trace_dir) / f"{trace_prefix}{name}-b{batch_size}.json.gz"
+            trace = profile_decode(eng, prompts, steps, warmup_steps, trace_path=path)
+            traces[name, batch_size] = trace
+            for window in ("gather_batch_kv", "build_cache", "write_decode_kv"):
+                ops.append(ops_in_window(trace, window).assign(
+                    engine=name, batch_size=batch_size, window=window))
+            if name != engine:
+                continue
+            table = phase_table(trace)
+            device = device_phase_ms(trace)
+            if not device.empty:
+                table = table.merge(device, on="phase", how="left")
+            phases.append(table.assign(batch_size=batch_size))
+            top.append(top_ops(trace, 10).assign(batch_size=batch_size, kind="cpu_op"))
+            if lm.device.type == "cuda":
+                top.append(top_ops(trace, 10, device=True).assign(batch_size=batch_size,
+                                                                   kind="kernel"))
+    return DecodeProfile(_tidy(phases, ["batch_size", "phase"]),
+                         _tidy(ops, ["engine", "batch_size", "window"]),
+                         _tidy(top, ["batch_size", "kind"]), traces)
+
+
+def _tidy(frames: list[pd.DataFrame], first: list[str]) -> pd.DataFrame:
+    df = pd.concat(frames, ignore_index=True)
+    return df[first + [c for c in df.columns if c not in first]]
+
+
+class RangesOff:
+    """An engine run with its profiler ranges switched off, for the "zero cost when off"
+    benchmark: same engine, same inputs, only the ``record_function`` calls gone."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def generate(self, prompts, params):
+        with ranges_disabled():
+            return self.engine.generate(prompts, params)

@@ -35,6 +35,8 @@ CHAPTERS: dict[str, ChapterRun] = {
     "02": ChapterRun("02_paged_kv_cache.ipynb", _STAGES[:3]),
     "03": ChapterRun("03_vectorized_gather.ipynb", _STAGES[:4]),
     "04": ChapterRun("04_preallocated_buffers.ipynb", _STAGES[:5]),
+    # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
+    "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
 }
 
 
@@ -67,6 +69,39 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto") 
     return out
 
 
+def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
+    """Profile ``paged-prealloc`` (phases, top ops/kernels) and ``paged-loop`` (op counts) at
+    batch 1/4/8, and benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    from .engines import make_engine
+    from .profiling import RangesOff, profile_stages
+
+    dev = resolve_device(device)
+    model, base = default_workload(dev)
+    lm = load_model(model, device=dev)
+    slug = device_slug(dev)
+    out_dir = RESULTS / "ch05"
+    steps = 20 if dev.type == "cuda" else 6
+    prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
+                          trace_prefix=f"{slug}-")
+    prealloc = make_engine("paged-prealloc", lm)
+    config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
+                            "engines": ("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
+                            "chapter": "05"})
+    bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
+                                   "paged-prealloc/ranges-off": RangesOff(prealloc)})
+    print(summary_table(bench).to_string(index=False))
+    meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
+                          "git_sha", "date"]].to_dict()
+    written = []
+    for kind, df in (("phases", prof.phases), ("ops", prof.ops), ("top", prof.top),
+                     ("bench", bench)):
+        path = out_dir / f"{slug}-{kind}.csv"
+        df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
+
+
 def execute_notebook(chapter: str) -> None:
     """Re-execute the chapter notebook in place with the full preset. Headless machines
     without jupyter (our GPU box) skip this step; the CSV is what they contribute."""
@@ -89,6 +124,9 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
     chapter = chapter.zfill(2)
     if chapter not in CHAPTERS:
         raise UnknownNameError(f"unknown chapter {chapter!r}; chapters: {', '.join(CHAPTERS)}")
-    run_chapter_bench(chapter, device)
+    if chapter == "05":
+        run_chapter05(device)
+    else:
+        run_chapter_bench(chapter, device)
     if execute_notebook_too:
         execute_notebook(chapter)
