@@ -15,7 +15,7 @@ DECODE_PHASES = ["prepare_inputs", "gather_batch_kv", "build_cache", "model_forw
 
 
 def test_stages_are_registered_in_book_order():
-    assert list(ENGINES) == ["hf", "naive", *PAGED]
+    assert list(ENGINES)[: 2 + len(PAGED)] == ["hf", "naive", *PAGED]  # later stages follow
     assert [ENGINES[name].chapter for name in PAGED] == ["02", "03", "04"]
 
 

@@ -7,13 +7,15 @@ from ..models import LoadedModel
 from .base import Engine, GenerationResult
 from .hf import HFEngine
 from .naive import NaiveEngine
+from .paged_attention import PagedAttentionEngine
 from .paged_loop import PagedLoopEngine
 from .paged_prealloc import PagedPreallocEngine
 from .paged_vectorized import PagedVectorizedEngine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
-    for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine)
+    for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
+                PagedAttentionEngine)
 }
 
 
