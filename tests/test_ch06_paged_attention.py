@@ -1,0 +1,195 @@
+"""Chapter 06: attention reads K/V through block tables; the model never sees a dense cache or
+mask, and still reproduces model.generate token for token."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from template import assert_greedy_matches_hf
+from torch.profiler import ProfilerActivity, profile
+from transformers import AttentionInterface, masking_utils
+from transformers.masking_utils import AttentionMaskInterface
+
+from miniinfer import ENGINES, KVCacheFull, MiniInferError, SamplingParams, make_engine
+from miniinfer.engines.paged_attention import (
+    ATTN_IMPLEMENTATION,
+    PagedAttentionEngine,
+    attn_implementation,
+)
+from miniinfer.kernels import triton_attention
+
+DECODE_PHASES = ["prepare_inputs", "model_forward", "sample"]
+
+
+def test_registered_after_paged_prealloc():
+    names = list(ENGINES)
+    assert names.index("paged-attention") == names.index("paged-prealloc") + 1
+    assert ENGINES["paged-attention"] is PagedAttentionEngine
+    assert PagedAttentionEngine.chapter == "06"
+
+
+def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy):
+    engine = make_engine("paged-attention", smollm2)
+    assert engine.backend.name == "torch"  # "auto" on a CPU
+    assert_greedy_matches_hf(engine, template_prompts, hf_greedy)
+    manager = engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_other_engines_unaffected_afterwards(smollm2, template_prompts, hf_greedy):
+    # The model is shared: the paged run must hand it back with HF's attention and masks.
+    attention = smollm2.model.config._attn_implementation
+    make_engine("paged-attention", smollm2).generate(
+        template_prompts[:2], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert smollm2.model.config._attn_implementation == attention
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    naive = make_engine("naive", smollm2).generate(template_prompts, params).token_ids
+    assert naive == [row[:8] for row in hf_greedy["batched"]]
+
+
+def test_stops_at_eos_like_hf(smollm2):
+    tok = smollm2.tokenizer
+    prompts = [tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"),
+               tok.encode("Hello")]
+    params = SamplingParams(max_new_tokens=48)
+    hf = make_engine("hf", smollm2).generate(prompts, params).token_ids
+    ours = make_engine("paged-attention", smollm2).generate(prompts, params).token_ids
+    assert ours == hf
+    assert ours[0][-1] == smollm2.eos_token_id and len(ours[0]) < 48
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    prompts = [[5, 6, 7], list(range(20, 53))]
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=50, top_p=0.9, seed=3,
+                            ignore_eos=True)
+    engine = make_engine("paged-attention", tiny)
+    first = engine.generate(prompts, params).token_ids
+    assert engine.generate(prompts, params).token_ids == first
+    assert all(len(row) == 20 for row in first)
+
+
+def test_device_block_tables_follow_the_block_manager(tiny):
+    # Blocks of 3 tokens: the tables gain entries every few steps, at different steps per row.
+    prompts = [[5, 6, 7], list(range(20, 41)), [9] * 8]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = make_engine("paged-attention", tiny, block_size=3, num_blocks=40)
+    manager = engine.kv_cache.block_manager
+    decode_step = engine.decode_step
+    checked = []
+
+    def checking_decode_step(batch, *args):
+        tokens = decode_step(batch, *args)
+        for row, rid in enumerate(batch.request_ids):
+            table = manager.block_tables[rid]
+            assert batch.block_tables[row, : len(table)].tolist() == table
+            assert not batch.block_tables[row, len(table):].any()  # padding stays 0
+        checked.append(True)
+        return tokens
+
+    engine.decode_step = checking_decode_step
+    ours = engine.generate(prompts, params).token_ids
+    assert len(checked) == 11
+    assert ours == make_engine("naive", tiny).generate(prompts, params).token_ids
+
+
+def test_attention_sees_no_mask_and_no_cache(tiny, monkeypatch):
+    calls = []
+    paged = AttentionInterface._global_mapping[ATTN_IMPLEMENTATION]
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append((attention_mask, kwargs.get("past_key_values"), query.shape))
+        return paged(module, query, key, value, attention_mask, *args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_IMPLEMENTATION, spy)
+    # Mask creation bails out before its packed-sequence scan for a name it does not know.
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda *a, **k: pytest.fail("a mask was being prepared"))
+    assert ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping
+    make_engine("paged-attention", tiny).generate(
+        [[5, 6, 7], [8] * 20], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    layers = tiny.config.num_hidden_layers
+    assert len(calls) == 4 * layers  # prefill and three decode steps
+    assert all(mask is None and cache is None for mask, cache, _ in calls)
+    # Prefill: both prompts as one flat sequence; decode: one token per request.
+    assert [shape[2] for _, _, shape in calls[::layers]] == [23, 2, 2, 2]
+
+
+def test_pool_too_small_raises_and_frees_everything(tiny):
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine = make_engine("paged-attention", tiny, block_size=16, num_blocks=3)
+    manager = engine.kv_cache.block_manager
+    with pytest.raises(KVCacheFull, match=r"request 1 needs 2 more KV block\(s\) but only 1 of 3"):
+        engine.generate([[5] * 20, [6] * 20], params)
+    assert manager.num_free_blocks == 3 and not manager.block_tables
+    # The prompts fit in 2 blocks; the first decoded token needs a third.
+    with pytest.raises(KVCacheFull, match="request 0 needs 1 more KV block.*only 0 of 3"):
+        engine.generate([[5] * 16, [6] * 32], params)
+    assert manager.num_free_blocks == 3 and not manager.block_tables
+    assert tiny.model.config._attn_implementation == "sdpa"
+    assert len(engine.generate([[5] * 8], params).token_ids[0]) == 8
+
+
+def test_attention_outside_the_engine_says_what_is_missing(tiny):
+    with attn_implementation(tiny.model, ATTN_IMPLEMENTATION), \
+            pytest.raises(MiniInferError, match="paged_attention metadata"):
+        tiny.model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert tiny.model.config._attn_implementation == "sdpa"
+
+
+def test_backend_option(tiny):
+    prompts = [[5, 6, 7], [8] * 20]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    auto = make_engine("paged-attention", tiny).generate(prompts, params).token_ids
+    engine = make_engine("paged-attention", tiny, attention_backend="torch")
+    assert engine.generate(prompts, params).token_ids == auto
+    with pytest.raises(MiniInferError, match="not available on cpu"):
+        make_engine("paged-attention", tiny, attention_backend="flash-attn")
+
+
+def _ranges(engine, steps: int) -> list:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.generate([[5, 6, 7], [8] * 20],
+                        SamplingParams(max_new_tokens=steps + 1, ignore_eos=True))
+    return prof.events()
+
+
+def test_decode_phases_are_profiler_ranges(tiny):
+    events = _ranges(make_engine("paged-attention", tiny), steps=3)
+    names = [e.name for e in events]
+    layers = tiny.config.num_hidden_layers
+    assert names.count("decode_step") == 3 and names.count("prefill") == 1
+    # The gather and the cache object of chapters 02-04 are gone; K/V writes are per layer,
+    # inside the forward.
+    assert "gather_batch_kv" not in names and "build_cache" not in names
+    assert names.count("write_prefill_kv") == layers
+    assert names.count("write_decode_kv") == 3 * layers
+    for step in (e for e in events if e.name == "decode_step"):
+        assert [c.name for c in step.cpu_children if c.name in DECODE_PHASES] == DECODE_PHASES
+
+
+_TRITON_SCRIPT = """
+from miniinfer import SamplingParams, load_model, make_engine
+tiny = load_model("tiny", device="cpu")
+prompts = [[5, 6, 7], list(range(20, 41)), [9] * 8]
+params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+engine = make_engine("paged-attention", tiny, attention_backend="triton", block_size=16)
+assert engine.backend.name == "triton"
+ours = engine.generate(prompts, params).token_ids
+assert ours == make_engine("naive", tiny).generate(prompts, params).token_ids, ours
+print("ok")
+"""
+
+
+def test_triton_backend_in_the_interpreter():
+    """The GPU path (our Triton kernel for prefill and decode), run by Triton's interpreter."""
+    if triton_attention.triton is None:
+        pytest.skip("triton is not installed")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    result = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], capture_output=True,
+                            text=True, env=env, cwd=Path(__file__).parent.parent, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stdout + result.stderr
