@@ -29,7 +29,7 @@ class ChapterRun:
 
 
 # Each chapter benchmarks every stage built so far, so its ratios come from one run.
-_STAGES = ("hf", "naive", "paged-loop", "paged-vectorized", "paged-prealloc")
+_STAGES = ("hf", "naive", "paged-loop", "paged-vectorized", "paged-prealloc", "paged-attention")
 CHAPTERS: dict[str, ChapterRun] = {
     "01": ChapterRun("01_naive_hf_decode.ipynb", _STAGES[:2]),
     "02": ChapterRun("02_paged_kv_cache.ipynb", _STAGES[:3]),
@@ -37,6 +37,7 @@ CHAPTERS: dict[str, ChapterRun] = {
     "04": ChapterRun("04_preallocated_buffers.ipynb", _STAGES[:5]),
     # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
     "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
+    "06": ChapterRun("06_paged_attention.ipynb", _STAGES[:6]),
 }
 
 
