@@ -60,25 +60,23 @@ def tok_s_table(df: pd.DataFrame, value: str = "tok_s") -> pd.DataFrame:
 
 
 def results_markdown() -> str:
-    """Every recorded benchmark as markdown tables (one per chapter and device): tok/s and
-    % of HF per engine and batch size. The README's results section is this output."""
+    """Every recorded offline benchmark as markdown tables (one per chapter and device): tok/s
+    and % of HF per engine and batch size. The README's results section is this output."""
     out = []
-    for chapter_dir in sorted(RESULTS.glob("ch*")):
-        df = recorded_results(chapter_dir.name.removeprefix("ch"))
-        if df.empty or "tok_s" not in df:
-            continue
-        for (name, model, dtype), dev in df.groupby(["device_name", "model", "dtype"], sort=False):
-            table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s",
-                                    sort=False)
-            pct = dev.pivot_table(index="batch_size", columns="engine", values="pct_of_hf",
-                                  sort=False)
-            cells = table.round(1).astype(str) + " (" + pct.round(0).astype(int).astype(str) + "%)"
-            first = dev.iloc[0]
-            out.append(f"**{chapter_dir.name}**, {name}, {model} {dtype}, prompt "
-                       f"{first.prompt_len}, {first.new_tokens} new tokens, p50 of "
-                       f"{first.repeats}, torch {first.torch}, transformers {first.transformers}, "
-                       f"git {first.git_sha}: tok/s (% of hf)\n")
-            out.append(_markdown(cells.reset_index()) + "\n")
+    needed = {"engine", "batch_size", "tok_s", "pct_of_hf"}
+    for path in sorted(RESULTS.glob("ch*/*.csv")):
+        dev = pd.read_csv(path, dtype={"chapter": str})
+        if not needed <= set(dev.columns):
+            continue  # profiles, serving runs: their chapters show them
+        table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
+        pct = dev.pivot_table(index="batch_size", columns="engine", values="pct_of_hf", sort=False)
+        cells = table.round(1).astype(str) + " (" + pct.round(0).astype(int).astype(str) + "%)"
+        first = dev.iloc[0]
+        out.append(f"**{path.parent.name}** ({path.name}): {first.device_name}, {first.model} "
+                   f"{first['dtype']}, prompt {first.prompt_len}, {first.new_tokens} new tokens, "
+                   f"p50 of {first.repeats}, torch {first.torch}, transformers "
+                   f"{first.transformers}, git {first.git_sha}. tok/s (% of hf):\n")
+        out.append(_markdown(cells.reset_index()) + "\n")
     return "\n".join(out)
 
 
