@@ -112,3 +112,18 @@ def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens
         ax.legend()
     fig.tight_layout()
     return fig
+
+
+def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.DataFrame, str]:
+    """The chapter's benchmark on this machine. With the full preset, the CSV ``make
+    chapter-NN`` has just written for this device is shown as is (re-measuring it would only
+    double the wait); otherwise, and when this device has no CSV yet, it is measured now."""
+    from .bench import run_bench
+    from .devices import device_slug
+
+    path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}.csv"
+    if p.name == "full" and path.exists():
+        df = pd.read_csv(path, dtype={"chapter": str})
+        if df.model.iloc[0] == lm.name:
+            return df, f"recorded by make chapter-{p.bench.chapter} on this device ({path.name})"
+    return run_bench(lm, p.bench, engines), "measured live in this notebook"
