@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..errors import UnknownNameError
 from ..models import LoadedModel
 from .base import Engine, GenerationResult
+from .continuous import ContinuousEngine
 from .hf import HFEngine
 from .naive import NaiveEngine
 from .paged_attention import PagedAttentionEngine
@@ -15,7 +16,7 @@ from .paged_vectorized import PagedVectorizedEngine
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
-                PagedAttentionEngine)
+                PagedAttentionEngine, ContinuousEngine)
 }
 
 
