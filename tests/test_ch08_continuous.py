@@ -1,0 +1,255 @@
+"""Chapter 08: the continuous engine serves requests that come and go (arrivals at different
+steps, chunked prompts, preemptions, aborts) and each request still gets, token for token, what
+HF generate gives its prompt alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import NEW_TOKENS
+from template import assert_greedy_matches_hf, first_difference
+
+from miniinfer import ENGINES, InvalidRequestError, MiniInferError, SamplingParams, make_engine
+from miniinfer.engines.continuous import ContinuousEngine
+from miniinfer.scheduler import FinishReason
+
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def run_to_end(engine: ContinuousEngine, arrivals: dict[int, list[tuple]] | None = None,
+               budget_check: int | None = None) -> tuple[dict, list]:
+    """Step until idle, adding ``arrivals[step]`` = [(prompt, params, request id)] on the way;
+    returns the finished requests by id and every step's result."""
+    arrivals = arrivals or {}
+    finished, steps = {}, []
+    while engine.has_unfinished_requests() or any(s >= len(steps) for s in arrivals):
+        for prompt, params, rid in arrivals.get(len(steps), []):
+            engine.add_request(prompt, params, request_id=rid)
+        result = engine.step()
+        if budget_check is not None:
+            assert result.num_decodes + result.num_prefill_tokens <= budget_check
+        steps.append(result)
+        finished.update((r.request_id, r) for r in result.outputs if r.finished)
+    return finished, steps
+
+
+def assert_all_blocks_free(engine: ContinuousEngine) -> None:
+    manager = engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks and not manager.block_tables
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_registered_after_paged_attention():
+    names = list(ENGINES)
+    assert names.index("continuous") > names.index("paged-attention")
+    assert ENGINES["continuous"] is ContinuousEngine and ContinuousEngine.chapter == "08"
+
+
+def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy):
+    engine = make_engine("continuous", smollm2)
+    assert_greedy_matches_hf(engine, template_prompts, hf_greedy)
+    assert_all_blocks_free(engine)
+
+
+def test_arrivals_chunks_and_preemptions_match_hf_alone(smollm2, template_prompts, hf_greedy):
+    """Real SmolLM2: a third of the prompts at step 0, the rest one every other step; a 24-token
+    budget chunks every prompt longer than that, and 14 blocks of 16 tokens (about a quarter of
+    what all requests would hold at once) force preemptions."""
+    engine = make_engine("continuous", smollm2, max_num_batched_tokens=24, block_size=16,
+                         num_blocks=14)
+    arrivals = {0: [(p, GREEDY, i) for i, p in enumerate(template_prompts[:4])]}
+    for k, (i, p) in enumerate(enumerate(template_prompts[4:], start=4)):
+        arrivals[2 * (k + 1)] = [(p, GREEDY, i)]
+    finished, steps = run_to_end(engine, arrivals, budget_check=24)
+    for i, ref in enumerate(hf_greedy["single"]):
+        ours = finished[i].output_ids
+        assert ours == ref, f"request {i} ({len(template_prompts[i])} tokens, " \
+                            f"{finished[i].num_preemptions} preemptions): " \
+                            + first_difference(ours, ref)
+        assert finished[i].finish_reason is FinishReason.LENGTH
+    assert sum(len(s.preempted) for s in steps) > 0
+    assert any(s.num_decodes and s.num_prefill_tokens for s in steps), "no mixed step"
+    # A prompt longer than the budget took several steps before its first token.
+    long = max(range(len(template_prompts)), key=lambda i: len(template_prompts[i]))
+    assert len(template_prompts[long]) > 24 and len(finished[long].timeline.steps) > NEW_TOKENS
+    assert_all_blocks_free(engine)
+
+
+def test_stops_at_eos_like_hf(smollm2):
+    tok = smollm2.tokenizer
+    prompt = tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(max_new_tokens=48)
+    hf = make_engine("hf", smollm2).generate([prompt], params).token_ids[0]
+    engine = make_engine("continuous", smollm2)
+    rid = engine.add_request(prompt, params)
+    finished, _ = run_to_end(engine)
+    assert finished[rid].output_ids == hf and finished[rid].finish_reason is FinishReason.EOS
+    assert hf[-1] == smollm2.eos_token_id and len(hf) < 48
+
+
+def test_stop_strings_end_a_request_on_the_token_that_completes_them(smollm2):
+    tok = smollm2.tokenizer
+    prompt = tok.encode("1, 2, 3, 4,")
+    engine = make_engine("continuous", smollm2)
+    full = engine.generate([prompt], SamplingParams(max_new_tokens=16, ignore_eos=True))
+    text = tok.decode(full.token_ids[0])
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = next(full.token_ids[0][:n] for n in range(1, 17)
+                    if stop in tok.decode(full.token_ids[0][:n]))
+    rid = engine.add_request(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True),
+                             stop=["never appears", stop])
+    finished, _ = run_to_end(engine)
+    assert finished[rid].output_ids == expected
+    assert finished[rid].finish_reason is FinishReason.STOP
+    assert_all_blocks_free(engine)
+
+
+def test_per_request_sampling_params_and_seeds(tiny):
+    prompts = [[5, 6, 7], list(range(20, 53))]
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=7,
+                             ignore_eos=True)
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    engine = make_engine("continuous", tiny)
+    alone = engine.generate([prompts[1]], sampled).token_ids[0]
+    engine.add_request(prompts[0], greedy, request_id="greedy")
+    engine.add_request(prompts[1], sampled, request_id="sampled")
+    finished, _ = run_to_end(engine)
+    # The seed belongs to the request: its tokens do not depend on who shares its steps.
+    assert finished["sampled"].output_ids == alone and len(alone) == 12
+    assert finished["greedy"].output_ids == \
+        make_engine("naive", tiny).generate([prompts[0]], greedy).token_ids[0]
+    other_seed = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=8,
+                                ignore_eos=True)
+    assert engine.generate([prompts[1]], other_seed).token_ids[0] != alone
+
+
+def test_request_validation(tiny):
+    engine = make_engine("continuous", tiny, block_size=4, num_blocks=8)
+    params = SamplingParams(max_new_tokens=4)
+    with pytest.raises(InvalidRequestError, match="needs 9 KV blocks, more than the whole pool"):
+        engine.add_request([5] * 30, SamplingParams(max_new_tokens=6))
+    with pytest.raises(InvalidRequestError, match="stop must be a sequence"):
+        engine.add_request([5], params, stop="x")
+    with pytest.raises(InvalidRequestError, match="prompt 0 is empty"):
+        engine.add_request([], params)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens must be >= 1"):
+        SamplingParams(max_new_tokens=0)
+    engine.add_request([5], params, request_id="a")
+    with pytest.raises(InvalidRequestError, match="request id 'a' is already in use"):
+        engine.add_request([6], params, request_id="a")
+    with pytest.raises(MiniInferError, match="generate needs an idle engine"):
+        engine.generate([[7]], params)
+    assert engine.abort("a") and not engine.abort("a") and not engine.abort("nobody")
+    assert_all_blocks_free(engine)
+
+
+def test_abort_waiting_and_running_requests_frees_their_blocks(tiny):
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=8, block_size=4,
+                         num_blocks=16)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    for rid in range(3):
+        engine.add_request(list(range(10, 30)), params, request_id=rid)
+    engine.step()  # request 0 has its first chunk in the cache, 1 and 2 wait
+    assert [r.request_id for r in engine.scheduler.running] == [0]
+    assert engine.abort(0) and engine.abort(2)
+    finished, _ = run_to_end(engine)
+    assert list(finished) == [1] and len(finished[1].output_ids) == 20
+    assert_all_blocks_free(engine)
+
+
+def test_unchunked_prompt_over_budget_runs_alone(tiny):
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=8, chunked_prefill=False)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add_request([5, 6], params, request_id="short")
+    engine.add_request(list(range(10, 30)), params, request_id="long")
+    first = engine.step()
+    assert first.num_prefill_tokens == 2  # the long prompt does not fit next to it
+    finished, steps = run_to_end(engine)
+    assert {s.num_prefill_tokens for s in steps} >= {20}  # whole, alone, over the budget
+    ref = make_engine("naive", tiny).generate([list(range(10, 30))], params).token_ids[0]
+    assert finished["long"].output_ids == ref
+
+
+def test_a_failed_step_drops_nothing(tiny, monkeypatch):
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=16)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompts = [list(range(10, 40)), [5, 6, 7]]
+    for rid, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=rid)
+    engine.step()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device lost")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "model_forward", boom)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+    manager = engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks  # both back to waiting, recomputed
+    finished, _ = run_to_end(engine)
+    naive = make_engine("naive", tiny)
+    assert [finished[i].output_ids for i in range(2)] == \
+        [naive.generate([p], params).token_ids[0] for p in prompts]
+
+
+def test_stress_random_arrivals_aborts_and_a_small_pool(tiny):
+    """Many random requests, random arrival steps, random aborts, random budgets and a pool far
+    smaller than the load: every request that was not aborted matches the naive engine on its
+    prompt alone, and at the end every block is free."""
+    rng = random.Random(0)
+    naive = make_engine("naive", tiny)
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=rng.choice([7, 16, 33]),
+                         block_size=4, num_blocks=24, max_num_seqs=6)
+    requests = {}
+    for rid in range(40):
+        prompt = [rng.randrange(17, 49152) for _ in range(rng.randint(1, 40))]
+        requests[rid] = (prompt, SamplingParams(max_new_tokens=rng.randint(1, 16),
+                                                ignore_eos=True))
+    arrival = {rid: rng.randrange(0, 60) for rid in requests}
+    to_abort = {rid: arrival[rid] + rng.randrange(0, 10) for rid in rng.sample(range(40), 8)}
+    finished, steps, aborted = {}, 0, set()
+    while engine.has_unfinished_requests() or steps < 60:
+        for rid in [r for r, s in arrival.items() if s == steps]:
+            engine.add_request(*requests[rid], request_id=rid)
+        for rid in [r for r, s in to_abort.items() if s == steps]:
+            if engine.abort(rid):
+                aborted.add(rid)
+        result = engine.step()
+        finished.update((r.request_id, r) for r in result.outputs if r.finished)
+        steps += 1
+    assert set(finished) | aborted == set(requests) and not set(finished) & aborted
+    preemptions = sum(r.num_preemptions for r in finished.values())
+    assert preemptions > 0 and aborted
+    for rid, request in finished.items():
+        prompt, params = requests[rid]
+        ref = naive.generate([prompt], params).token_ids[0]
+        assert request.output_ids == ref, f"request {rid}: " + first_difference(
+            request.output_ids, ref)
+    assert_all_blocks_free(engine)
+
+
+def test_decodes_and_chunks_use_their_own_kernels(tiny, monkeypatch):
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=12)
+    calls = []
+    backend = engine.backend
+
+    def spy(kind, fn):
+        def wrapped(q, *args, **kwargs):
+            calls.append((kind, q.shape[0]))
+            return fn(q, *args, **kwargs)
+        return wrapped
+
+    spied = type(backend)(backend.name, spy("decode", backend.decode),
+                          spy("varlen", backend.varlen))
+    monkeypatch.setattr(engine, "backend", spied)
+    monkeypatch.setattr(engine, "prefill_backend", spied)
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    engine.add_request([5, 6, 7], params)
+    engine.step()  # prefill of 3 tokens
+    engine.add_request(list(range(10, 30)), params)
+    calls.clear()
+    engine.step()  # 1 decode + an 11-token chunk
+    layers = tiny.config.num_hidden_layers
+    assert calls == [("decode", 1), ("varlen", 11)] * layers
