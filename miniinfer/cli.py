@@ -1,4 +1,5 @@
-"""Command line: ``python -m miniinfer generate | bench | engines | models | results | repro NN``.
+"""Command line: ``python -m miniinfer generate | bench | bench-serving | engines | models | results |
+repro NN``.
 
 User errors (unknown names, empty or over-long prompts, impossible sampling values) print one
 line to stderr and exit with status 2; anything else is a bug and keeps its traceback.
@@ -25,6 +26,25 @@ def _csv_ints(text: str) -> tuple[int, ...]:
 
 def _csv_names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def _csv_rates(text: str) -> tuple[float, ...]:
+    """Request rates per second; ``inf`` sends every request at once."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise InvalidRequestError(f"expected comma-separated request rates (numbers or inf), "
+                                  f"got {text!r}") from None
+
+
+def _range(text: str, name: str) -> tuple[int, int]:
+    parts = text.split(",")
+    try:
+        low, high = (int(x) for x in parts)
+    except ValueError:
+        raise InvalidRequestError(f"{name}: expected a range LOW,HIGH of integers, got "
+                                  f"{text!r}") from None
+    return low, high
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -112,6 +132,32 @@ def cmd_bench(args: argparse.Namespace) -> None:
         print(f"wrote {out}")
 
 
+def cmd_bench_serving(args: argparse.Namespace) -> None:
+    from .models import load_model
+    from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench, summary_table
+
+    # Every argument is checked before the model loads.
+    workload = WorkloadConfig(num_requests=args.num_requests,
+                              prompt_len=_range(args.prompt_len, "--prompt-len"),
+                              output_len=_range(args.output_len, "--output-len"),
+                              dataset=args.dataset, seed=args.seed)
+    config = ServingBenchConfig(workload, systems=args.systems,
+                                request_rates=_csv_rates(args.request_rates),
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                static_batch_size=args.static_batch_size,
+                                warmup=not args.no_warmup, chapter=args.chapter)
+    lm = load_model(args.model, device=args.device, dtype=args.dtype)
+    results = run_serving_bench(lm, config)
+    print(summary_table(results.runs).to_string(index=False))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        results.runs.to_csv(out, index=False)
+        results.requests.to_csv(out.with_name(f"{out.stem}-requests.csv"), index=False)
+        results.steps.to_csv(out.with_name(f"{out.stem}-steps.csv"), index=False)
+        print(f"wrote {out} (+ -requests, -steps)")
+
+
 def cmd_engines(args: argparse.Namespace) -> None:
     from .engines import ENGINES
 
@@ -174,6 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
     bench.add_argument("--out", help="CSV path")
     bench.set_defaults(func=cmd_bench)
+
+    serving = sub.add_parser(
+        "bench-serving", help="online serving benchmark: Poisson arrivals, TTFT/TPOT/ITL -> CSV")
+    model_args(serving, "smollm2-135m")
+    serving.add_argument("--systems", type=_csv_names,
+                         default=("continuous", "static-paged-attention", "hf-cb"),
+                         help="continuous, hf-cb (transformers' continuous batching) and "
+                              "static-ENGINE (batches of --static-batch-size with a stage)")
+    serving.add_argument("--num-requests", type=int, default=32)
+    serving.add_argument("--request-rates", default="inf",
+                         help="requests/s, comma-separated (inf: all at once)")
+    serving.add_argument("--prompt-len", default="16,256", help="LOW,HIGH tokens (random ids)")
+    serving.add_argument("--output-len", default="32,128", help="LOW,HIGH new tokens")
+    serving.add_argument("--dataset", help='JSONL: {"prompt": text, "output_len": n} per line')
+    serving.add_argument("--max-num-batched-tokens", type=_csv_ints, default=(512,),
+                         help="token budgets per step (continuous, hf-cb), comma-separated")
+    serving.add_argument("--static-batch-size", type=int, default=8)
+    serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--no-warmup", action="store_true")
+    serving.add_argument("--chapter", default="08", help="chapter tag written into the CSV")
+    serving.add_argument("--out", help="CSV path (requests and steps go next to it)")
+    serving.set_defaults(func=cmd_bench_serving)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
     sub.add_parser("models", help="list models").set_defaults(func=cmd_models)

@@ -1,0 +1,157 @@
+"""Chapter 08: seeded workloads, serving metrics with the usual definitions, and the three
+systems of bench-serving serving the same requests (on the tiny model: fast, and enough to
+check that each system gets and returns exactly the requests of the workload)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from miniinfer import InvalidRequestError, UnknownNameError, make_engine
+from miniinfer.cli import main
+from miniinfer.scheduler import RequestTimeline
+from miniinfer.serving import (
+    ServedRequest,
+    ServingBenchConfig,
+    ServingRun,
+    WorkloadConfig,
+    default_pool_bytes,
+    make_workload,
+    request_table,
+    serve_continuous,
+    serve_hf_cb,
+    serve_static,
+    summarize,
+)
+
+
+def test_metrics_follow_the_serving_definitions():
+    run = ServingRun("x", 100.0, [
+        ServedRequest(0, 5, [1, 2, 3], RequestTimeline(100.0, 100.1, [], [100.5, 100.7, 101.1],
+                                                       101.1)),
+        ServedRequest(1, 7, [4], RequestTimeline(100.2, 100.2, [], [100.4], 100.4)),
+    ])
+    table = request_table(run)
+    assert table.ttft_ms.round(6).tolist() == [500, 200]
+    assert table.e2e_ms.round(6).tolist() == [1100, 200]
+    assert table.tpot_ms[0] == pytest.approx(300) and math.isnan(table.tpot_ms[1])
+    assert table.queue_ms.round(6).tolist() == [100, 0]
+    m = summarize(run)
+    assert m["duration_s"] == pytest.approx(1.1)
+    assert m["request_throughput"] == pytest.approx(2 / 1.1)
+    assert m["output_throughput"] == pytest.approx(4 / 1.1) and m["output_tokens"] == 4
+    assert m["ttft_mean_ms"] == pytest.approx(350) and m["ttft_p90_ms"] == pytest.approx(470)
+    assert m["tpot_mean_ms"] == pytest.approx(300)  # a one-token request has no TPOT
+    # ITL pools every request's gaps: 200 and 400 ms.
+    assert m["itl_mean_ms"] == pytest.approx(300) and m["itl_p99_ms"] == pytest.approx(398)
+    assert m["e2e_p50_ms"] == pytest.approx(650)
+
+
+def test_workload_is_seeded_poisson_within_the_ranges(tiny):
+    config = WorkloadConfig(num_requests=2000, request_rate=4.0, prompt_len=(3, 9),
+                            output_len=(2, 5), seed=1)
+    workload = make_workload(tiny, config)
+    assert workload == make_workload(tiny, config)
+    assert workload != make_workload(tiny, WorkloadConfig(**{**_fields(config), "seed": 2}))
+    assert all(3 <= len(w.prompt_ids) <= 9 and 2 <= w.max_new_tokens <= 5 for w in workload)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(workload, workload[1:], strict=False)]
+    assert min(gaps) >= 0 and sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)
+    offline = make_workload(tiny, WorkloadConfig(num_requests=5))
+    assert {w.arrival_s for w in offline} == {0.0}
+
+
+def _fields(config) -> dict:
+    return {f: getattr(config, f) for f in config.__slots__}
+
+
+def test_workload_from_a_dataset_file(tiny, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Hello there", "output_len": 7}\n\n{"prompt": "Bye"}\n')
+    workload = make_workload(tiny, WorkloadConfig(num_requests=20, output_len=(2, 3),
+                                                  dataset=str(path)))
+    hello, bye = tiny.tokenizer.encode("Hello there"), tiny.tokenizer.encode("Bye")
+    assert {tuple(w.prompt_ids) for w in workload} == {tuple(hello), tuple(bye)}
+    assert all(w.max_new_tokens == (7 if w.prompt_ids == hello else w.max_new_tokens)
+               and (w.prompt_ids == hello or 2 <= w.max_new_tokens <= 3) for w in workload)
+    path.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(InvalidRequestError, match=r'prompts.jsonl:1 needs a non-empty string'):
+        make_workload(tiny, WorkloadConfig(dataset=str(path)))
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        make_workload(tiny, WorkloadConfig(dataset=str(tmp_path / "missing.jsonl")))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"num_requests": 0}, "num_requests must be >= 1"),
+    ({"request_rate": 0.0}, "request_rate must be > 0"),
+    ({"prompt_len": (10, 5)}, "prompt_len must be a range"),
+])
+def test_workload_config_validation(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        WorkloadConfig(**kwargs)
+
+
+def test_unknown_system():
+    with pytest.raises(UnknownNameError, match="unknown serving system 'static-turbo'"):
+        ServingBenchConfig(systems=("static-turbo",))
+    with pytest.raises(UnknownNameError, match="static-paged-attention"):
+        ServingBenchConfig(systems=("static-continuous",))
+
+
+def test_three_systems_serve_the_same_requests_with_the_same_tokens(tiny):
+    workload = make_workload(tiny, WorkloadConfig(num_requests=6, request_rate=40.0,
+                                                  prompt_len=(2, 40), output_len=(1, 9), seed=3))
+    runs = [
+        serve_continuous(make_engine("continuous", tiny, max_num_batched_tokens=16), workload),
+        serve_static(make_engine("paged-attention", tiny), workload, batch_size=4),
+        serve_hf_cb(tiny, workload, max_batch_tokens=64, kv_cache_bytes=default_pool_bytes(tiny)),
+    ]
+    for run in runs:
+        assert [r.index for r in run.requests] == list(range(6))
+        assert [len(r.output_ids) for r in run.requests] == [w.max_new_tokens for w in workload]
+        for r, w in zip(run.requests, workload, strict=True):
+            t = r.timeline
+            assert len(t.token_times) == w.max_new_tokens and r.prompt_len == len(w.prompt_ids)
+            assert t.arrival == pytest.approx(run.start + w.arrival_s)
+            assert t.arrival <= t.first_scheduled + 1e-3 and t.first_scheduled <= t.first_token
+            assert t.token_times == sorted(t.token_times) and t.finish >= t.token_times[-1]
+    assert [r.output_ids for r in runs[0].requests] == [r.output_ids for r in runs[1].requests]
+    assert [r.output_ids for r in runs[0].requests] == [r.output_ids for r in runs[2].requests]
+    # Our engine logs what each step fed: every prompt token once, then each output token but
+    # the last (nothing was preempted in a pool this size).
+    fed = sum(s.num_decodes + s.num_prefill_tokens for s in runs[0].steps)
+    assert fed == sum(len(w.prompt_ids) + w.max_new_tokens - 1 for w in workload)
+
+
+def test_cli_bench_serving_writes_tidy_csvs(tmp_path):
+    out = tmp_path / "serving.csv"
+    assert main(["bench-serving", "--model", "tiny", "--device", "cpu", "--systems",
+                 "continuous,static-naive", "--num-requests", "4", "--prompt-len", "4,16",
+                 "--output-len", "2,5", "--request-rates", "inf,30",
+                 "--max-num-batched-tokens", "8,64", "--no-warmup", "--out", str(out)]) == 0
+    runs = pd.read_csv(out)
+    assert len(runs) == 2 * 3  # rates x (continuous at two budgets + static once)
+    assert sorted(runs.system.unique()) == ["continuous", "static-naive"]
+    required = ["chapter", "system", "model", "dtype", "request_rate", "max_num_batched_tokens",
+                "num_requests", "output_tokens", "duration_s", "request_throughput",
+                "output_throughput", "ttft_p50_ms", "tpot_p99_ms", "itl_p90_ms", "e2e_mean_ms",
+                "device", "device_name", "torch", "transformers", "git_sha", "date"]
+    assert set(required) <= set(runs.columns)
+    assert (runs.output_tokens == runs.output_tokens[0]).all()
+    requests = pd.read_csv(tmp_path / "serving-requests.csv")
+    assert len(requests) == 6 * 4 and requests.ttft_ms.gt(0).all()
+    steps = pd.read_csv(tmp_path / "serving-steps.csv")
+    assert set(steps.system) == {"continuous"}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--systems", "continuous,warp"], "unknown serving system 'warp'"),
+    (["--prompt-len", "9"], "expected a range LOW,HIGH"),
+    (["--request-rates", "0"], "request_rate must be > 0"),
+    (["--dataset", "/nonexistent.jsonl"], "does not exist"),
+])
+def test_cli_bench_serving_user_errors(args, message, capsys):
+    assert main(["bench-serving", "--model", "tiny", "--num-requests", "2", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
