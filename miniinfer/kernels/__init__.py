@@ -46,12 +46,18 @@ class AttentionBackend:
     """``decode(q, k_cache, v_cache, block_tables, context_lens, scale)`` and
     ``varlen(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens, scale,
     max_seqlen_q=None)`` (None where the backend has no varlen kernel); ``store_kv`` is the
-    same for every backend."""
+    same for every backend.
+
+    ``plan_decode(block_tables, context_lens, block_size)``, where not None, returns
+    ``run(q, k_cache, v_cache, scale)``, equal to ``decode`` with those tables and lens but with
+    the work that does not depend on the layer done once: call it once per decode step and
+    ``run`` in every layer. A GPU kernel reads the tables itself and needs no plan."""
 
     name: str
     decode: DecodeFn
     varlen: VarlenFn | None
     store_kv: Callable[..., None] = store_kv
+    plan_decode: Callable[..., DecodeFn] | None = None
 
 
 # Best first: the order "auto" tries them in.
@@ -60,7 +66,8 @@ BACKENDS: dict[str, AttentionBackend] = {
     "triton": AttentionBackend("triton", triton_attention.paged_decode_attention,
                                triton_attention.paged_varlen_attention),
     "torch": AttentionBackend("torch", reference.paged_decode_attention,
-                              reference.paged_varlen_attention),
+                              reference.paged_varlen_attention,
+                              plan_decode=reference.DecodePlan),
 }
 
 

@@ -16,13 +16,19 @@ Layouts shared by every backend in this package:
   ``q_len`` queries are its last ``q_len`` cached tokens, and ``context_len >= q_len >= 1``.
 * GQA: ``num_heads = group * num_kv_heads``; query head ``h`` reads kv head ``h // group``.
 
-The reference materialises each request's K/V densely (one gather), so it is simple rather than
-fast; the softmax runs in fp32 whatever the cache dtype, and the output has ``q``'s dtype.
+The reference materialises each request's K/V densely (one gather of whole blocks), so it is
+simple rather than fast; the softmax runs in fp32 whatever the cache dtype, and the output has
+``q``'s dtype. Decode splits into a plan and a run (as FlashInfer's decode wrappers do):
+:class:`DecodePlan` does the index work that depends only on the block tables and context lens
+once, and running it per layer is then just the gather and the attention. An engine calling
+the same step for every layer of a model plans once per step; on a CPU, where each small op
+costs microseconds of dispatch, that matters as much as the bytes moved.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -45,9 +51,56 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One new token per request: ``q`` ``[batch, num_heads, head_dim]`` -> same shape.
 
     The query is the last cached token, so it sees all ``context_lens[i]`` tokens."""
-    q_lens = torch.ones_like(context_lens)
-    return _attend(q.unsqueeze(1), q_lens, k_cache, v_cache, block_tables, context_lens,
-                   scale).squeeze(1)
+    return DecodePlan(block_tables, context_lens, k_cache.shape[1])(q, k_cache, v_cache, scale)
+
+
+class DecodePlan:
+    """:func:`paged_decode_attention` for one set of block tables and context lens, with the
+    work that does not depend on the layer done once, here: calling the plan with a layer's
+    ``q``, ``k_cache``, ``v_cache`` and ``scale`` gives that function's result."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int) -> None:
+        self.gather = BlockGather(block_tables, context_lens, block_size)
+        # The query is the last cached token: it sees exactly its context. Additive, so the
+        # attention does not convert a boolean mask again in every layer.
+        in_context = self.gather.in_context[:, None, :]  # [batch, 1, context]
+        self.mask = torch.zeros(in_context.shape, device=in_context.device).masked_fill_(
+            ~in_context, float("-inf"))
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        keys, values = self.gather(k_cache), self.gather(v_cache)
+        return _attend(q.unsqueeze(1), keys, values, self.mask, scale).squeeze(1)
+
+
+class BlockGather:
+    """Reads each request's blocks into a dense fp32 ``[batch, kv_heads, context, head_dim]``
+    copy, ``context`` spanning the blocks of the longest request in the batch.
+
+    Whole blocks are gathered, not single slots: one index per block, each a contiguous
+    ``block_size`` tokens, copies about twice as fast on a CPU. Positions past a request's
+    context are zeroed afterwards: whatever they hold (the rest of a last block, the padding
+    of a table), NaN included, must not reach the output, and masking the score alone would not
+    do (NaN + -inf = NaN, 0 * NaN = NaN).
+    """
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 block_size: int) -> None:
+        # Tables are sized for the longest request the engine allows; read only the blocks
+        # the longest request in this batch uses.
+        max_blocks = -(-int(context_lens.max()) // block_size)
+        self.blocks = block_tables[:, :max_blocks].flatten().long()
+        positions = torch.arange(max_blocks * block_size, device=context_lens.device)
+        self.in_context = positions < context_lens[:, None]  # [batch, context]
+        self.stale = (~self.in_context).flatten().nonzero().squeeze(1)
+
+    def __call__(self, cache: torch.Tensor) -> torch.Tensor:
+        batch, context = self.in_context.shape
+        num_kv_heads, head_dim = cache.shape[2:]
+        dense = torch.index_select(cache, 0, self.blocks).view(-1, num_kv_heads, head_dim)
+        dense.index_fill_(0, self.stale, 0.0)
+        return dense.view(batch, context, num_kv_heads, head_dim).transpose(1, 2).float()
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -72,45 +125,26 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     index_in_seq = rows - cu_seqlens_q[seq_of_row]
     q_padded = q.new_zeros(len(q_lens), max_seqlen_q, *q.shape[1:])
     q_padded[seq_of_row, index_in_seq] = q
-    out = _attend(q_padded, q_lens, k_cache, v_cache, block_tables, context_lens, scale)
+    gather = BlockGather(block_tables, context_lens, k_cache.shape[1])
+    # Absolute position of each query: the last q_len cached tokens of its request.
+    q_positions = (context_lens - q_lens)[:, None] + torch.arange(max_seqlen_q, device=q.device)
+    positions = torch.arange(gather.in_context.shape[1], device=q.device)
+    visible = positions[None, None, :] <= q_positions[:, :, None]  # [batch, max_q, context]
+    # Padding query rows (index >= q_len) sit past the context; this bound keeps them inside
+    # it. They still see position 0, so no row is all -inf (no NaN).
+    visible &= gather.in_context[:, None, :]
+    out = _attend(q_padded, gather(k_cache), gather(v_cache), visible, scale)
     return out[seq_of_row, index_in_seq]
 
 
-def _attend(q: torch.Tensor, q_lens: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, context_lens: torch.Tensor,
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
             scale: float) -> torch.Tensor:
-    """``q`` ``[batch, max_q, num_heads, head_dim]``, each request's queries left-aligned (rows
-    past ``q_lens[i]`` are padding whose output is garbage but finite)."""
-    batch, max_q, num_heads, head_dim = q.shape
-    out_dtype = q.dtype
-    block_size, num_kv_heads = k_cache.shape[1:3]
-    group = num_heads // num_kv_heads
-    # Tables are sized for the longest request the engine allows; gather only the blocks the
-    # longest request in this batch uses.
-    max_blocks = -(-int(context_lens.max()) // block_size)
-    blocks = block_tables[:, :max_blocks].long()
-    # [batch, max_blocks, block_size, kv_heads, dim] -> [batch, kv_heads, context, dim]
-    keys = k_cache[blocks].flatten(1, 2).transpose(1, 2).float()
-    values = v_cache[blocks].flatten(1, 2).transpose(1, 2).float()
-
-    positions = torch.arange(max_blocks * block_size, device=q.device)
-    # Absolute position of each query: the last q_len cached tokens of its request.
-    q_positions = (context_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)
-    visible = positions[None, None, :] <= q_positions[:, :, None]  # [batch, max_q, context]
-    # Padding query rows (index >= q_len) sit past the context; without this bound they would
-    # see unwritten slots. They still see position 0, so no row is all -inf (no NaN).
-    visible &= positions[None, None, :] < context_lens[:, None, None]
-    # Slots past the context may hold anything, NaN included (the cache starts as torch.empty),
-    # and 0 * NaN = NaN, so zero them rather than rely on the softmax weight being 0.
-    in_context = (positions[None, :] < context_lens[:, None])[:, None, :, None]
-    values = values.masked_fill(~in_context, 0.0)
-
-    # Query heads of one GQA group share a kv head: [batch, kv_heads, group * max_q, dim].
-    q = q.float().view(batch, max_q, num_kv_heads, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(batch, num_kv_heads, group * max_q, head_dim)
-    scores = (q @ keys.transpose(-1, -2)) * scale
-    mask = visible[:, None, None].expand(batch, num_kv_heads, group, max_q, -1)
-    scores = scores.masked_fill(~mask.reshape(scores.shape), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ values
-    out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, max_q, num_heads, head_dim).to(out_dtype)
+    """``q`` ``[batch, max_q, num_heads, head_dim]``, each request's queries left-aligned, and
+    ``mask`` ``[batch, max_q, context]``: which positions each query attends to (bool), or what
+    to add to its scores (fp32, 0 or -inf). Rows past a request's queries are padding whose
+    output is garbage but finite."""
+    # Query heads of one GQA group share a kv head (enable_gqa): head h reads h // group.
+    out = F.scaled_dot_product_attention(q.float().transpose(1, 2), keys, values,
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=q.shape[2] != keys.shape[1])
+    return out.transpose(1, 2).to(q.dtype)
