@@ -20,7 +20,9 @@ How it plugs into transformers:
   mapping travel in one :class:`PagedAttentionMetadata` keyword argument, which transformers
   hands down to every layer's attention function untouched.
 - the attention function stores the new tokens' K/V in their slots, then runs the varlen
-  kernel (prefill: whole prompts, causal) or the decode kernel (one token per request).
+  kernel (prefill: whole prompts, causal) or the decode kernel (one token per request). What a
+  decode kernel works out from the block tables alone is the same in every layer; a backend that
+  can (the CPU reference) plans it in the first layer and the other layers reuse the plan.
 - the block tables stay on the device for the whole call; a step only adds the entry of a
   block a request has just started. What does change per step (context lens, positions, slot
   mapping, new block table entries) is packed into one host buffer, pinned on CUDA, and sent
@@ -38,7 +40,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..errors import MiniInferError
-from ..kernels import BACKENDS, AttentionBackend, available_backends, get_backend
+from ..kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..profiling import phase
@@ -60,6 +62,20 @@ class PagedAttentionMetadata:
     backend: AttentionBackend
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B + 1]; None: one new token per request
     max_seqlen_q: int = 1
+    decode_run: DecodeFn | None = None  # the backend's decode plan, made by the first layer
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """The backend's decode over this step's block tables and context lens. Where the
+        backend splits decode into plan and run, the first layer plans for all the others."""
+        backend = self.backend
+        if backend.plan_decode is None:
+            return backend.decode(q, k_cache, v_cache, self.block_tables, self.context_lens,
+                                  scale)
+        if self.decode_run is None:
+            self.decode_run = backend.plan_decode(self.block_tables, self.context_lens,
+                                                  k_cache.shape[1])
+        return self.decode_run(q, k_cache, v_cache, scale)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -81,8 +97,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     with phase("write_decode_kv" if decode else "write_prefill_kv"):
         meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if decode:
-        out = meta.backend.decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                  scaling)
+        out = meta.decode(q, k_cache, v_cache, scaling)
     else:
         out = meta.backend.varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.block_tables,
                                   meta.context_lens, scaling, meta.max_seqlen_q)
