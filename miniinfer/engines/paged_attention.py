@@ -2,9 +2,11 @@
 
 Chapters 02-04 kept HF's attention and fed it what it wants: every request's history as dense,
 left-padded K/V per layer, rebuilt from the blocks each step, plus a dense ``[B, L]`` mask.
-However cheap the gather became, it still copies every request's whole history every step.
-Here the attention itself changes: a paged kernel (:mod:`miniinfer.kernels`) follows each
-request's block table, so a step moves only its new tokens' K/V.
+However cheap the gather became, it is a step of its own that copies every request's whole
+history, and HF's attention then reads the copy. Here the attention itself changes: a paged
+kernel (:mod:`miniinfer.kernels`) takes the pool, the block tables and the context lens and
+finds each request's K/V itself. On a GPU (Triton, flash-attn) it reads them where they lie;
+the CPU reference still copies blocks, inside the kernel, because PyTorch has no paged SDPA.
 
 How it plugs into transformers:
 
@@ -130,7 +132,7 @@ class PagedBatch:
 class PagedAttentionEngine(PagedLoopEngine):
     name = "paged-attention"
     chapter = "06"
-    summary = "paged attention kernel reads KV through block tables: no gather, no dense mask"
+    summary = "attention kernel reads KV through block tables: no gather step, no dense mask"
 
     def __init__(self, lm: LoadedModel, attention_backend: str | None = None,
                  **kv_options: int | None) -> None:
