@@ -33,7 +33,7 @@ How it plugs into transformers:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import accumulate
@@ -57,7 +57,9 @@ ATTN_IMPLEMENTATION = "miniinfer_paged"
 class PagedAttentionMetadata:
     """What every layer's attention needs for one forward over the flattened new tokens."""
 
-    kv: torch.Tensor  # the pool, [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    # Per layer, its (k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim]; the pool
+    # [num_layers, 2, ...] itself indexes that way too, views made anew at every use.
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
     block_tables: torch.Tensor  # int32 [B, max_blocks], padded with 0
     context_lens: torch.Tensor  # int32 [B], cached tokens including this forward's new ones
     slot_mapping: torch.Tensor  # int64 [total_tokens], the slot of each new token's K/V
@@ -144,6 +146,8 @@ class PagedAttentionEngine(PagedLoopEngine):
             BACKENDS[name] for name in available_backends(self.device, block_size)
             if BACKENDS[name].varlen)
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
+        # Each layer's K and V views of the pool, made once rather than in every forward.
+        self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         with attn_implementation(self.model, ATTN_IMPLEMENTATION):
@@ -166,7 +170,7 @@ class PagedAttentionEngine(PagedLoopEngine):
                                     dtype=torch.int32, device=device)
         cu_seqlens_q = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
         metadata = PagedAttentionMetadata(
-            kv=self.kv_cache.kv,
+            kv=self.layer_kv,
             block_tables=block_tables,
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
             slot_mapping=torch.tensor([block_manager.slot(rid, t)
@@ -214,7 +218,7 @@ class PagedAttentionEngine(PagedLoopEngine):
         if new_entries:
             rows, cols, blocks = entries.view(-1, 3).unbind(1)
             batch.block_tables[rows, cols] = blocks
-        metadata = PagedAttentionMetadata(self.kv_cache.kv, batch.block_tables, context_lens,
+        metadata = PagedAttentionMetadata(self.layer_kv, batch.block_tables, context_lens,
                                           slots.long(), self.backend)
         return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
 

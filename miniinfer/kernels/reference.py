@@ -64,14 +64,18 @@ class DecodePlan:
         self.gather = BlockGather(block_tables, context_lens, block_size)
         # The query is the last cached token: it sees exactly its context. Additive, so the
         # attention does not convert a boolean mask again in every layer.
-        in_context = self.gather.in_context[:, None, :]  # [batch, 1, context]
+        in_context = self.gather.in_context[:, None, None, :]  # [batch, 1, 1, context]
         self.mask = torch.zeros(in_context.shape, device=in_context.device).masked_fill_(
             ~in_context, float("-inf"))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  scale: float) -> torch.Tensor:
         keys, values = self.gather(k_cache), self.gather(v_cache)
-        return _attend(q.unsqueeze(1), keys, values, self.mask, scale).squeeze(1)
+        # [batch, heads, 1 query, dim]; the heads of a GQA group share a kv head (enable_gqa).
+        out = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values,
+                                             attn_mask=self.mask, scale=scale,
+                                             enable_gqa=q.shape[1] != keys.shape[1])
+        return out.squeeze(2).to(q.dtype)
 
 
 class BlockGather:
