@@ -8,15 +8,18 @@ on CPU the real SmolLM2-135M in fp32.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from .bench import BenchConfig, run_bench, summary_table
 from .devices import REPO_ROOT, device_slug
 from .errors import UnknownNameError
 from .models import load_model, resolve_device
+from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
+from .serving import summary_table as serving_summary_table
 
 RESULTS = REPO_ROOT / "data" / "results"
 CHAPTERS_DIR = REPO_ROOT / "chapters"
@@ -39,6 +42,8 @@ CHAPTERS: dict[str, ChapterRun] = {
     # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
     "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
     "06": ChapterRun("06_paged_attention.ipynb", ("hf", *_STAGES[3:6])),
+    # Chapter 08 serves workloads online instead (see run_chapter08).
+    "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",)),
 }
 
 
@@ -47,8 +52,11 @@ def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
     if device.type == "cuda":
         return "qwen2.5-7b", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64, new_tokens=128,
                                          warmup=2, repeat=5)
-    return "smollm2-135m", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64, new_tokens=64,
-                                       warmup=1, repeat=3)
+    # MINIINFER_QUICK=1 halves the decode length and drops a repeat (a busy shared machine).
+    quick = os.environ.get("MINIINFER_QUICK") == "1"
+    return "smollm2-135m", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
+                                       new_tokens=32 if quick else 64, warmup=1,
+                                       repeat=2 if quick else 3)
 
 
 def results_path(chapter: str, device: torch.device) -> Path:
@@ -104,6 +112,76 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     return written
 
 
+def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
+    """Model and the three serving experiments of chapter 08 on this device:
+
+    - ``target``: the issue's comparison, every system on the same offline workload (32
+      requests on a CPU, 256 on a GPU; prompts of 16-256 tokens, 32-128 new tokens);
+    - ``budget``: continuous batching at several token budgets, on a smaller workload arriving
+      online (the chunked-prefill trade-off; each budget one point of the wde post's
+      throughput-latency curve);
+    - ``rate``: that workload arriving at several request rates, per system.
+    """
+    static = ("static-paged-attention", "static-hf")
+    if device.type == "cuda":
+        # 256 requests of up to 384 tokens of Qwen2.5-7B K/V (56 KiB a token) need 5.3 GiB at
+        # once: a pool of 8 GiB serves them without preemption, as transformers' would.
+        target = WorkloadConfig(num_requests=256)
+        kv = 8 << 30
+        return "qwen2.5-7b", {
+            "target": ServingBenchConfig(target, ("continuous", *static, "hf-cb"),
+                                         max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
+            "budget": ServingBenchConfig(replace(target, num_requests=128, request_rate=8.0),
+                                         ("continuous",),
+                                         max_num_batched_tokens=(256, 512, 1024, 2048, 4096),
+                                         kv_cache_bytes=kv),
+            "rate": ServingBenchConfig(replace(target, num_requests=128),
+                                       ("continuous", "static-paged-attention", "hf-cb"),
+                                       request_rates=(4.0, 8.0, 16.0),
+                                       max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
+        }
+    # Sized to take about 8 minutes on 2 cores: the smaller online workload answers in ~40 s of
+    # work, and 1 request/s is below what continuous batching sustains on it.
+    online = WorkloadConfig(num_requests=16, request_rate=1.0, output_len=(16, 64))
+    return "smollm2-135m", {
+        "target": ServingBenchConfig(WorkloadConfig(num_requests=32),
+                                     ("continuous", *static, "hf-cb"),
+                                     max_num_batched_tokens=(512,)),
+        "budget": ServingBenchConfig(online, ("continuous",),
+                                     max_num_batched_tokens=(32, 64, 128, 256, 512)),
+        "rate": ServingBenchConfig(online, ("continuous", "static-paged-attention", "hf-cb"),
+                                   request_rates=(1.0, 2.0, 4.0), max_num_batched_tokens=(512,)),
+    }
+
+
+def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
+    """Serve the chapter's workloads with every system; writes ``<device>-runs.csv`` (one row
+    per run), ``-requests.csv`` (per request) and ``-steps.csv`` (our engine's steps), each
+    row tagged with its experiment."""
+    dev = resolve_device(device)
+    model, experiments = serving_experiments(dev)
+    lm = load_model(model, device=dev)
+    tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
+    for name, config in experiments.items():
+        results = run_serving_bench(lm, config)
+        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
+        for kind, frames in tables.items():
+            frames.append(getattr(results, kind).assign(experiment=name))
+    target = tables["runs"][0].set_index("system").output_throughput
+    for baseline in target.index.drop("continuous"):
+        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
+              f"output tokens/s")
+    out_dir = RESULTS / "ch08"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frames in tables.items():
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        pd.concat(frames, ignore_index=True).to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
+
+
 def execute_notebook(chapter: str) -> None:
     """Re-execute the chapter notebook in place with the full preset. Headless machines
     without jupyter (our GPU box) skip this step; the CSV is what they contribute."""
@@ -128,6 +206,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         raise UnknownNameError(f"unknown chapter {chapter!r}; chapters: {', '.join(CHAPTERS)}")
     if chapter == "05":
         run_chapter05(device)
+    elif chapter == "08":
+        run_chapter08(device)
     else:
         run_chapter_bench(chapter, device)
     if execute_notebook_too:

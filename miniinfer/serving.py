@@ -28,6 +28,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,7 +47,6 @@ from .models import LoadedModel
 from .sampling import SamplingParams
 from .scheduler import RequestTimeline
 
-SYSTEMS = ("continuous", "static-<engine>", "hf-cb")
 STATIC_PREFIX = "static-"
 # transformers' default KV block for its continuous batching; at 16 tokens its CPU path is
 # several times slower, so it gets its own default (and the same KV memory as ours).
@@ -329,6 +329,7 @@ class ServingBenchConfig:
     request_rates: tuple[float, ...] = ()
     max_num_batched_tokens: tuple[int, ...] = (512,)
     static_batch_size: int = 8
+    kv_cache_bytes: int | None = None  # our engine's pool and hf-cb's; None: the default pool
     warmup: bool = True
     chapter: str = "08"
 
@@ -367,22 +368,25 @@ def default_pool_bytes(lm: LoadedModel) -> int:
 
 
 class _Systems:
-    """Builds each engine once (a KV pool is allocated with it) and serves workloads with it."""
+    """Serves workloads with one system at a time; its engine (and the KV pool allocated with
+    it) is kept while the next runs use the same system and budget, then let go."""
 
     def __init__(self, lm: LoadedModel, config: ServingBenchConfig) -> None:
         self.lm = lm
         self.config = config
-        self.engines: dict[tuple[str, int], Engine] = {}
+        self.kv_cache_bytes = config.kv_cache_bytes or default_pool_bytes(lm)
+        self.current: tuple[tuple[str, int], Engine] | None = None
 
     def serve(self, system: str, budget: int, workload: list[WorkloadRequest]) -> ServingRun:
         if system == "hf-cb":
-            return serve_hf_cb(self.lm, workload, budget, default_pool_bytes(self.lm))
-        key = (system, budget)
-        if key not in self.engines:
-            self.engines[key] = make_engine("continuous", self.lm, max_num_batched_tokens=budget) \
-                if system == "continuous" else make_engine(system.removeprefix(STATIC_PREFIX),
-                                                           self.lm)
-        engine = self.engines[key]
+            return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
+        if self.current is None or self.current[0] != (system, budget):
+            self.current = None  # the old pool goes before the new one is allocated
+            engine = make_engine("continuous", self.lm, max_num_batched_tokens=budget,
+                                 memory_bytes=self.kv_cache_bytes) if system == "continuous" \
+                else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
+            self.current = ((system, budget), engine)
+        engine = self.current[1]
         if isinstance(engine, ContinuousEngine):
             return serve_continuous(engine, workload)
         return serve_static(engine, workload, self.config.static_batch_size)
@@ -397,24 +401,30 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
             "dtype": str(lm.dtype).removeprefix("torch.")}
     budgets = config.max_num_batched_tokens
     rates = config.request_rates or (config.workload.request_rate,)
-    plan = [(rate, system, budget) for rate in rates for system in config.systems
-            for budget in (budgets if system in ("continuous", "hf-cb") else [0])]
+    plan = [(rate, system, budget) for system in config.systems
+            for budget in (budgets if system in ("continuous", "hf-cb") else [0])
+            for rate in rates]
     warmup = [replace(w, max_new_tokens=4) for w in make_workload(
         lm, replace(config.workload, num_requests=4, request_rate=math.inf))]
     systems = _Systems(lm, config)
     runs, requests, steps = [], [], []
-    for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
-                                     leave=False):
-        if config.warmup:
-            systems.serve(system, budget or budgets[0], warmup)
-        run = systems.serve(system, budget or budgets[0],
-                            make_workload(lm, replace(config.workload, request_rate=rate)))
-        run_tags = {**tags, "system": system, "request_rate": rate,
-                    "max_num_batched_tokens": budget or math.nan}
-        runs.append({**run_tags, **summarize(run)})
-        requests.append(request_table(run).assign(**run_tags))
-        if run.steps:
-            steps.append(step_table(run).assign(**run_tags))
+    # Every system serves from a worker thread, because transformers' continuous batching
+    # always runs its loop in one: on our CPU machine PyTorch's matrix multiplies run
+    # differently in the main thread than in others (like one thread; faster when the cores
+    # are contended, slower when they are free), and a comparison must not hinge on that.
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
+                                         leave=False):
+            if config.warmup:
+                worker.submit(systems.serve, system, budget or budgets[0], warmup).result()
+            workload = make_workload(lm, replace(config.workload, request_rate=rate))
+            run = worker.submit(systems.serve, system, budget or budgets[0], workload).result()
+            run_tags = {**tags, "system": system, "request_rate": rate,
+                        "max_num_batched_tokens": budget or math.nan}
+            runs.append({**run_tags, **summarize(run)})
+            requests.append(request_table(run).assign(**run_tags))
+            if run.steps:
+                steps.append(step_table(run).assign(**run_tags))
     w = config.workload
     workload_cols = {"num_requests_config": w.num_requests,
                      "prompt_len_range": f"{w.prompt_len[0]}-{w.prompt_len[1]}",
