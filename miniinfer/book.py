@@ -114,6 +114,48 @@ def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens
     return fig
 
 
+TIMELINE_COLORS = {"decode_step": "#dddddd", "prepare_inputs": "tab:orange",
+                   "model_forward": "tab:blue", "sample": "tab:green", "read_tokens": "tab:red"}
+
+
+def plot_timelines(bars: pd.DataFrame, title: str = ""):
+    """Gantt chart of :func:`miniinfer.profiling.timeline` bars, one row per engine and lane
+    (host ranges; CUDA kernels on a ``device`` row where there are any). Steps are drawn grey,
+    their phases on top."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = list(dict.fromkeys(zip(bars.engine, bars.lane, strict=True)))
+    fig, ax = plt.subplots(figsize=(11, 0.55 * len(lanes) + 1.2))
+    for y, (engine, lane) in enumerate(lanes):
+        rows = bars[(bars.engine == engine) & (bars.lane == lane)]
+        for name, group in rows.groupby("name", sort=False):
+            step = name == "decode_step"
+            ax.broken_barh(list(zip(group.start_ms, group.dur_ms, strict=True)),
+                           (y - (0.4 if step else 0.3), 0.8 if step else 0.6),
+                           color=TIMELINE_COLORS.get(name, "tab:purple"), zorder=1 if step else 2)
+    ax.set_yticks(range(len(lanes)), [f"{engine}\n{lane}" for engine, lane in lanes])
+    ax.invert_yaxis()
+    ax.set(xlabel="ms from the first step's start", title=title)
+    ax.legend(handles=[Patch(color=c, label=n) for n, c in TIMELINE_COLORS.items()]
+              + ([Patch(color="tab:purple", label="CUDA kernel")] if "device" in set(bars.lane)
+                 else []), loc="upper left", bbox_to_anchor=(1, 1))
+    fig.tight_layout()
+    return fig
+
+
+def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
+                         ) -> pd.DataFrame:
+    """Each stage's % of the decode floor per device and batch size, from the chapters'
+    recorded benchmarks (a stage measured in several chapters: its latest chapter's run)."""
+    frames = [recorded_results(c) for c in chapters]
+    df = pd.concat([f for f in frames if not f.empty], ignore_index=True)
+    if df.empty:
+        return df
+    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    return tok_s_table(df, "pct_of_floor")
+
+
 def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.DataFrame, str]:
     """The chapter's benchmark on this machine. With the full preset, the CSV ``make
     chapter-NN`` has just written for this device is shown as is (re-measuring it would only

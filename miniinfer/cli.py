@@ -76,14 +76,13 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .engines import ENGINES, make_engine
+    from .engines import make_engine, resolve_engine
     from .errors import UnknownNameError
     from .models import MODELS, load_model
     from .sampling import SamplingParams
 
     # Cheap checks first: a typo should not cost a model load.
-    if args.engine not in ENGINES:
-        raise UnknownNameError(f"unknown engine {args.engine!r}; available engines: {', '.join(ENGINES)}")
+    resolve_engine(args.engine)
     if args.model not in MODELS:
         raise UnknownNameError(f"unknown model {args.model!r}; available models: {', '.join(MODELS)}")
     texts = _read_prompts(args)
@@ -110,14 +109,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> None:
     from .bench import BenchConfig, run_bench, summary_table
-    from .engines import ENGINES, make_engine
-    from .errors import UnknownNameError
+    from .engines import make_engine, resolve_engine
     from .models import load_model
 
-    unknown = [e for e in args.engines if e not in ENGINES]
-    if unknown:
-        raise UnknownNameError(f"unknown engine(s) {', '.join(unknown)}; available engines: "
-                               f"{', '.join(ENGINES)}")
+    for name in args.engines:
+        resolve_engine(name)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                          warmup=args.warmup, repeat=args.repeat, chapter=args.chapter)
@@ -163,6 +159,8 @@ def cmd_engines(args: argparse.Namespace) -> None:
 
     for name, cls in ENGINES.items():
         print(f"{name:18s} ch{cls.chapter}  {cls.summary}")
+        for variant in getattr(cls, "variants", ()):
+            print(f"  {name}:{variant}")
 
 
 def cmd_models(args: argparse.Namespace) -> None:

@@ -33,6 +33,8 @@ _ranges_on = True
 STEP = "decode_step"
 PHASES = ("prepare_inputs", "gather_batch_kv", "build_cache", "model_forward", "sample",
           "write_decode_kv")
+# Where a decode loop waits for a step's tokens to reach the host (chapter 07).
+READ_TOKENS = "read_tokens"
 
 
 def set_ranges(enabled: bool) -> None:
@@ -178,6 +180,29 @@ def device_phase_ms(trace: Trace) -> pd.DataFrame:
     """
     return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP,
                              "phases": [*PHASES, STEP]})
+
+
+def timeline(trace: Trace, first_step: int = 0, steps: int = 3) -> pd.DataFrame:
+    """``steps`` measured decode steps from ``first_step`` as bars for a Gantt chart: ``lane``
+    (``host``: the loop's ranges; ``device``: CUDA kernels, absent on a CPU), ``name``,
+    ``start_ms`` (from the first step's start) and ``dur_ms``. Host bars cover the step, its
+    phases and the waits for tokens; the time until the next step's start shows what the loop
+    does between steps."""
+    query = _STEPS_SQL + """
+        , win AS (SELECT min(ts) AS t0, max(te) AS t1 FROM steps
+                  WHERE step >= $first AND step < $first + $steps)
+        SELECT CASE WHEN e.cat = 'kernel' THEN 'device' ELSE 'host' END AS lane, e.name,
+               (e.ts - w.t0) / 1e3 AS start_ms, e.dur / 1e3 AS dur_ms
+        FROM events e, win w
+        WHERE e.ts >= w.t0 AND e.ts < w.t1
+          AND ((e.cat = 'user_annotation' AND e.name IN (SELECT unnest($names)))
+               OR e.cat = 'kernel')
+        ORDER BY lane DESC, start_ms
+    """
+    return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP,
+                             "first": first_step, "steps": steps,
+                             "names": [STEP, "prepare_inputs", "model_forward", "sample",
+                                       READ_TOKENS]})
 
 
 @dataclass(slots=True)

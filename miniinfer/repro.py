@@ -29,6 +29,10 @@ CHAPTERS_DIR = REPO_ROOT / "chapters"
 class ChapterRun:
     notebook: str
     engines: tuple[str, ...]
+    cuda_engines: tuple[str, ...] = ()  # added where the device is a GPU
+
+    def engines_for(self, device: torch.device) -> tuple[str, ...]:
+        return self.engines + (self.cuda_engines if device.type == "cuda" else ())
 
 
 # Each chapter benchmarks the stages it compares in one run, so its ratios are like for like.
@@ -42,6 +46,10 @@ CHAPTERS: dict[str, ChapterRun] = {
     # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
     "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
     "06": ChapterRun("06_paged_attention.ipynb", ("hf", *_STAGES[3:6])),
+    # Chapter 07 also profiles each loop for its timelines (see run_chapter07).
+    "07": ChapterRun("07_async_streams.ipynb",
+                     ("hf", "paged-attention", "async:sync", "async:overlap"),
+                     cuda_engines=("async:cuda-graph",)),
     # Chapter 08 serves workloads online instead (see run_chapter08).
     "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",)),
 }
@@ -68,7 +76,7 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto") 
     dev = resolve_device(device)
     model, base = default_workload(dev)
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
-                            "engines": run.engines, "chapter": chapter})
+                            "engines": run.engines_for(dev), "chapter": chapter})
     lm = load_model(model, device=dev)
     df = run_bench(lm, config)
     print(summary_table(df).to_string(index=False))
@@ -110,6 +118,33 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
         written.append(path)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
     return written
+
+
+def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
+    """The benchmark of every loop (``<device>.csv``), then a few profiled decode steps of each
+    loop at batch 8 as Gantt bars (``timeline/<device>.csv``)."""
+    from .bench import make_prompts
+    from .engines import make_engine
+    from .profiling import profile_decode, timeline
+
+    dev = resolve_device(device)
+    bench_path = run_chapter_bench("07", dev)
+    model, base = default_workload(dev)
+    lm = load_model(model, device=dev)
+    prompts = make_prompts(lm, 8, base.prompt_len)
+    bars = []
+    for name in CHAPTERS["07"].engines_for(dev):
+        if name.startswith("async"):
+            trace = profile_decode(make_engine(name, lm), prompts, steps=4)
+            bars.append(timeline(trace).assign(engine=name, batch_size=8))
+    # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
+    path = RESULTS / "ch07" / "timeline" / f"{device_slug(dev)}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = pd.read_csv(bench_path).iloc[0][["model", "dtype", "device", "device_name", "torch",
+                                            "git_sha", "date"]].to_dict()
+    pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return [bench_path, path]
 
 
 def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
@@ -206,6 +241,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         raise UnknownNameError(f"unknown chapter {chapter!r}; chapters: {', '.join(CHAPTERS)}")
     if chapter == "05":
         run_chapter05(device)
+    elif chapter == "07":
+        run_chapter07(device)
     elif chapter == "08":
         run_chapter08(device)
     else:

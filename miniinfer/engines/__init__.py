@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..errors import UnknownNameError
 from ..models import LoadedModel
+from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
 from .continuous import ContinuousEngine
 from .hf import HFEngine
@@ -16,14 +17,31 @@ from .paged_vectorized import PagedVectorizedEngine
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
-                PagedAttentionEngine, ContinuousEngine)
+                PagedAttentionEngine, AsyncEngine, ContinuousEngine)
 }
 
 
-def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
-    if name not in ENGINES:
+def resolve_engine(name: str) -> tuple[type[Engine], dict[str, str]]:
+    """The class and options ``name`` stands for, checked without building anything (so a
+    typo fails before a model load). ``"stage:variant"`` picks a variant of a stage that has
+    one: ``"async:overlap"`` is ``async`` with ``loop="overlap"``."""
+    stage, _, variant = name.partition(":")
+    if stage not in ENGINES:
         raise UnknownNameError(f"unknown engine {name!r}; available engines: {', '.join(ENGINES)}")
-    return ENGINES[name](lm, **options)
+    cls = ENGINES[stage]
+    if not variant:
+        return cls, {}
+    variants = getattr(cls, "variants", ())
+    if variant not in variants:
+        known = f"its variants: {', '.join(f'{stage}:{v}' for v in variants)}" if variants \
+            else "it has no variants"
+        raise UnknownNameError(f"unknown engine {name!r}; {known}")
+    return cls, {cls.variant_option: variant}
 
 
-__all__ = ["ENGINES", "Engine", "GenerationResult", "make_engine"]
+def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
+    cls, variant_options = resolve_engine(name)
+    return cls(lm, **variant_options, **options)
+
+
+__all__ = ["ENGINES", "Engine", "GenerationResult", "make_engine", "resolve_engine"]

@@ -113,6 +113,11 @@ class StepClock:
     def tick(self) -> None:
         self.result_times.append(self.now())
 
+    def stamp(self) -> None:
+        """Like ``tick`` without the synchronisation, for a caller that has just waited for
+        this step's tokens itself (and must not wait for the steps queued after it)."""
+        self.result_times.append(time.perf_counter())
+
     def finish(self, token_ids: list[list[int]]) -> GenerationResult:
         return GenerationResult(token_ids, self.start, self.result_times, self.now())
 

@@ -159,8 +159,7 @@ class PagedAttentionEngine(PagedLoopEngine):
         all prompts as one flat sequence; attention writes their K/V into the blocks."""
         block_manager = self.kv_cache.block_manager
         device = self.device
-        for rid, prompt in zip(request_ids, prompts, strict=True):
-            block_manager.add(rid, len(prompt))
+        self.take_blocks(request_ids, prompts, params)
         lens = [len(p) for p in prompts]
         # Wide enough for the longest request's last fed token (the last sampled token is never
         # fed), so a decode step only ever fills in entries.
@@ -187,6 +186,12 @@ class PagedAttentionEngine(PagedLoopEngine):
         # Only each prompt's last position predicts a token.
         logits = self.model_forward(inputs, metadata, logits_to_keep=cu_seqlens_q[1:] - 1)
         return PagedBatch(request_ids, block_tables), logits
+
+    def take_blocks(self, request_ids: list[int], prompts: list[list[int]],
+                    params: SamplingParams) -> None:
+        """Blocks for each prompt; decode steps take more as their tokens arrive."""
+        for rid, prompt in zip(request_ids, prompts, strict=True):
+            self.kv_cache.block_manager.add(rid, len(prompt))
 
     def decode_step(self, batch: PagedBatch, tokens: torch.Tensor, params: SamplingParams,
                     generator: torch.Generator | None) -> torch.Tensor:
