@@ -3,8 +3,14 @@
 ``paged-loop`` pays for its gather in Python: a slice and a copy per layer, request and block,
 thousands of tiny ops per step whose cost is the interpreter and the op dispatch, not the bytes
 moved. Here the step first computes a *slot mapping*, the pool slot behind every dense column,
-from the block tables with a few tensor ops; each layer's history is then a single indexing op
-``pool[layer][:, slot_mapping]``. Everything else is inherited.
+from the block tables with a few tensor ops; each layer's history is then a single indexing op,
+what ``pool[layer][:, slot_mapping]`` means. Everything else is inherited.
+
+It is written as ``index_select`` over the flattened slot mapping rather than as that
+advanced-indexing expression. Both give the same tensor, but each slot is a contiguous
+``kv_heads x head_dim`` row, and ``index_select`` copies such rows whole, while advanced
+indexing on a CPU computes an offset per element: on our 2-core CPU, for SmolLM2 at batch 8, the
+expression took about 1.3 ms per layer and ``index_select`` 0.15 ms.
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ class PagedVectorizedEngine(PagedLoopEngine):
     def gather_batch_kv(self, batch: DecodeBatch) -> DenseKV:
         slot_mapping = self.dense_slot_mapping(batch, batch.history_len)
         out = []
+        shape = (2, *slot_mapping.shape, self.kv_cache.kv_heads, self.kv_cache.head_dim)
+        flat = slot_mapping.flatten()
         for layer_slots in self.kv_cache.slots:  # [2, num_slots, kv_heads, head_dim]
-            dense = layer_slots[:, slot_mapping].transpose(2, 3)  # [2, B, kv_heads, L, head_dim]
+            dense = torch.index_select(layer_slots, 1, flat).view(shape)  # [2, B, L, kvh, hd]
+            dense = dense.transpose(2, 3)  # [2, B, kv_heads, L, head_dim], as HF's cache holds it
             out.append((dense[0], dense[1]))
         return out
