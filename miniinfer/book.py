@@ -147,12 +147,19 @@ def plot_timelines(bars: pd.DataFrame, title: str = ""):
 def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
                          ) -> pd.DataFrame:
     """Each stage's % of the decode floor per device and batch size, from the chapters'
-    recorded benchmarks (a stage measured in several chapters: its latest chapter's run)."""
-    frames = [recorded_results(c) for c in chapters]
-    df = pd.concat([f for f in frames if not f.empty], ignore_index=True)
-    if df.empty:
-        return df
+    recorded benchmarks (a stage measured in several chapters: its latest chapter's run).
+
+    Every run measures the copy bandwidth its floor is based on, and on a shared machine that
+    measurement varies from run to run; so that runs of different chapters compare, each row's
+    share is rescaled to one bandwidth per device, the median of its runs' (the share is
+    bytes per step / bandwidth / step time, so it scales with 1 / bandwidth)."""
+    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
     df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    device_bandwidth = df.groupby("device_name").bandwidth_gbs.transform("median")
+    df = df.assign(pct_of_floor=df.pct_of_floor * df.bandwidth_gbs / device_bandwidth)
     return tok_s_table(df, "pct_of_floor")
 
 
