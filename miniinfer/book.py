@@ -45,12 +45,21 @@ def preset(engines: tuple[str, ...], chapter: str) -> Preset:
                               repeat=3, chapter=chapter))
 
 
+# Read as text: a commit like "2638e60" would otherwise parse as the number 2.638e63.
+TEXT_COLUMNS = {"chapter": str, "git_sha": str, "date": str}
+
+
+def read_results(path) -> pd.DataFrame:
+    """A results CSV with its identifying columns kept as text."""
+    return pd.read_csv(path, dtype=TEXT_COLUMNS)
+
+
 def recorded_results(chapter: str) -> pd.DataFrame:
     """Every device's CSV for a chapter, written by ``make chapter-NN`` runs."""
     files = sorted((RESULTS / f"ch{chapter}").glob("*.csv"))
     if not files:
         return pd.DataFrame()
-    return pd.concat([pd.read_csv(f, dtype={"chapter": str}) for f in files], ignore_index=True)
+    return pd.concat([read_results(f) for f in files], ignore_index=True)
 
 
 def tok_s_table(df: pd.DataFrame, value: str = "tok_s") -> pd.DataFrame:
@@ -65,7 +74,7 @@ def results_markdown() -> str:
     out = []
     needed = {"engine", "batch_size", "tok_s", "pct_of_hf"}
     for path in sorted(RESULTS.glob("ch*/*.csv")):
-        dev = pd.read_csv(path, dtype={"chapter": str})
+        dev = read_results(path)
         if not needed <= set(dev.columns):
             continue  # profiles, serving runs: their chapters show them
         table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
@@ -158,7 +167,9 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
     df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
-    device_bandwidth = df.groupby("device_name").bandwidth_gbs.transform("median")
+    # One bandwidth per run (a run's rows share it), then the median over a device's runs.
+    per_run = df.drop_duplicates(["device_name", "bandwidth_gbs"])
+    device_bandwidth = df.device_name.map(per_run.groupby("device_name").bandwidth_gbs.median())
     df = df.assign(pct_of_floor=df.pct_of_floor * df.bandwidth_gbs / device_bandwidth)
     return tok_s_table(df, "pct_of_floor")
 
@@ -172,7 +183,7 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.
 
     path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}.csv"
     if p.name == "full" and path.exists():
-        df = pd.read_csv(path, dtype={"chapter": str})
+        df = read_results(path)
         if df.model.iloc[0] == lm.name:
             return df, f"recorded by make chapter-{p.bench.chapter} on this device ({path.name})"
     return run_bench(lm, p.bench, engines), "measured live in this notebook"

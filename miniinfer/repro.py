@@ -124,6 +124,7 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     """The benchmark of every loop (``<device>.csv``), then a few profiled decode steps of each
     loop at batch 8 as Gantt bars (``timeline/<device>.csv``)."""
     from .bench import make_prompts
+    from .book import read_results
     from .engines import make_engine
     from .profiling import profile_decode, timeline
 
@@ -140,7 +141,7 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
     path = RESULTS / "ch07" / "timeline" / f"{device_slug(dev)}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = pd.read_csv(bench_path).iloc[0][["model", "dtype", "device", "device_name", "torch",
+    meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "torch",
                                             "git_sha", "date"]].to_dict()
     pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")
