@@ -27,7 +27,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["generate", "--model", "tiny", "--prompt", "hi", "--temperature", "-1"],
          "temperature must be >= 0"),
         (["generate", "--model", "tiny", "--prompt", "word " * 600], "more than the model's context"),
-        (["bench", "--engines", "hf,warp"], "unknown engine(s) warp"),
+        (["bench", "--engines", "hf,warp"], "unknown engine 'warp'"),
+        (["bench", "--engines", "async:turbo"], "unknown engine 'async:turbo'; its variants"),
         (["repro", "99"], "unknown chapter '99'"),
     ],
 )
