@@ -168,20 +168,27 @@ class PagedAttentionEngine(PagedLoopEngine):
         block_tables = torch.tensor([table + [0] * (width - len(table)) for table in tables],
                                     dtype=torch.int32, device=device)
         cu_seqlens_q = torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+        # Each prompt token's request (row) and position, then its slot, as tensor ops: a
+        # Python call per token cost ~35 ms of a ~750 ms batch-8 prefill on our CPU.
+        total = int(sum(lens))
+        row = torch.repeat_interleave(torch.arange(len(lens), device=device),
+                                      torch.tensor(lens, device=device), output_size=total)
+        positions = torch.arange(total, device=device) - cu_seqlens_q[:-1].long()[row]
+        block_size = self.kv_cache.block_size
+        slot_mapping = (block_tables[row, positions // block_size].long() * block_size
+                        + positions % block_size)
         metadata = PagedAttentionMetadata(
             kv=self.layer_kv,
             block_tables=block_tables,
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor([block_manager.slot(rid, t)
-                                       for rid, n in zip(request_ids, lens, strict=True)
-                                       for t in range(n)], device=device),
+            slot_mapping=slot_mapping,
             backend=self.prefill_backend,
             cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max(lens),
         )
         inputs = {
             "input_ids": torch.tensor([[t for p in prompts for t in p]], device=device),
-            "position_ids": torch.tensor([[t for n in lens for t in range(n)]], device=device),
+            "position_ids": positions[None],
         }
         # Only each prompt's last position predicts a token.
         logits = self.model_forward(inputs, metadata, logits_to_keep=cu_seqlens_q[1:] - 1)
