@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .errors import InvalidRequestError, MiniInferError
+from .inputs import read_jsonl
 
 USAGE_ERROR = 2
 
@@ -53,13 +54,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
         path = Path(args.prompts)
         if not path.exists():
             raise InvalidRequestError(f"prompts file {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+        for n, item in read_jsonl(path):
             if isinstance(item, dict):
                 if "prompt" not in item:
                     raise InvalidRequestError(f'{path}:{n} has no "prompt" field')

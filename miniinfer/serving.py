@@ -21,7 +21,6 @@ it, and the metrics serving systems are judged by.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
@@ -42,6 +41,7 @@ from .devices import kv_bytes_per_token, run_metadata
 from .engines import ENGINES, Engine, make_engine
 from .engines.continuous import ContinuousEngine, StepResult
 from .errors import InvalidRequestError, UnknownNameError
+from .inputs import read_jsonl
 from .kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from .models import LoadedModel
 from .sampling import SamplingParams
@@ -95,13 +95,7 @@ def read_dataset(path: str | Path, tokenizer) -> list[tuple[list[int], int | Non
     optional): the tokenized prompts and their output lengths."""
     path = Path(path)
     items = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+    for n, item in read_jsonl(path):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) \
                 or not item["prompt"].strip():
             raise InvalidRequestError(f'{path}:{n} needs a non-empty string "prompt"')
