@@ -185,16 +185,6 @@ class AsyncEngine(PagedAttentionEngine):
             collect(*pending)
         return rows
 
-    def mask_finished(self, tokens: torch.Tensor, finished: torch.Tensor,
-                      params: SamplingParams) -> torch.Tensor:
-        """``pad_finished`` without its host read: a row that has emitted EOS emits padding,
-        decided on the device, so no loop waits on it."""
-        if params.ignore_eos:
-            return tokens
-        tokens = tokens.masked_fill(finished, self.lm.pad_token_id)
-        finished |= tokens == self.lm.eos_token_id
-        return tokens
-
     def all_done(self, row: list[int], done: list[bool], params: SamplingParams) -> bool:
         """Mark rows that emitted EOS in this step's tokens (on the host); True when every
         row has."""

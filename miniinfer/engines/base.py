@@ -73,10 +73,19 @@ class Engine:
         emit and whether every row is done."""
         if params.ignore_eos:
             return tokens, False
-        tokens = tokens.masked_fill(finished, self.lm.pad_token_id)
-        finished |= tokens == self.lm.eos_token_id
+        tokens = self.mask_finished(tokens, finished, params)
         # .all() copies a flag to the host: the one sync per step a stop check needs.
         return tokens, bool(finished.all())
+
+    def mask_finished(self, tokens: torch.Tensor, finished: torch.Tensor,
+                      params: SamplingParams) -> torch.Tensor:
+        """``pad_finished`` without its host read: the padding decided on the device, for a
+        loop that must not wait on it (chapter 07)."""
+        if params.ignore_eos:
+            return tokens
+        tokens = tokens.masked_fill(finished, self.lm.pad_token_id)
+        finished |= tokens == self.lm.eos_token_id
+        return tokens
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:

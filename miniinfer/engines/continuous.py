@@ -288,7 +288,7 @@ class ContinuousEngine(PagedAttentionEngine):
                                                       len(logits_rows), len(tables) * width])
         slots_t = slots_t.long()
         block_tables = tables_t.view(len(tables), width)
-        kv = self.kv_cache.kv
+        kv = self.layer_kv
         decodes = PagedAttentionMetadata(
             kv, block_tables[:num_decodes], context_lens_t[:num_decodes], slots_t[:num_decodes],
             self.backend) if num_decodes else None

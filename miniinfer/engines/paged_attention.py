@@ -57,9 +57,8 @@ ATTN_IMPLEMENTATION = "miniinfer_paged"
 class PagedAttentionMetadata:
     """What every layer's attention needs for one forward over the flattened new tokens."""
 
-    # Per layer, its (k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim]; the pool
-    # [num_layers, 2, ...] itself indexes that way too, views made anew at every use.
-    kv: Sequence[tuple[torch.Tensor, torch.Tensor]] | torch.Tensor
+    # Per layer, its (k_cache, v_cache) [num_blocks, block_size, kv_heads, head_dim].
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
     block_tables: torch.Tensor  # int32 [B, max_blocks], padded with 0
     context_lens: torch.Tensor  # int32 [B], cached tokens including this forward's new ones
     slot_mapping: torch.Tensor  # int64 [total_tokens], the slot of each new token's K/V
@@ -171,8 +170,9 @@ class PagedAttentionEngine(PagedLoopEngine):
         # Each prompt token's request (row) and position, then its slot, as tensor ops: a
         # Python call per token cost ~35 ms of a ~750 ms batch-8 prefill on our CPU.
         total = int(sum(lens))
-        row = torch.repeat_interleave(torch.arange(len(lens), device=device),
-                                      torch.tensor(lens, device=device), output_size=total)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+        row = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t,
+                                      output_size=total)
         positions = torch.arange(total, device=device) - cu_seqlens_q[:-1].long()[row]
         block_size = self.kv_cache.block_size
         slot_mapping = (block_tables[row, positions // block_size].long() * block_size
@@ -180,7 +180,7 @@ class PagedAttentionEngine(PagedLoopEngine):
         metadata = PagedAttentionMetadata(
             kv=self.layer_kv,
             block_tables=block_tables,
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            context_lens=lens_t,
             slot_mapping=slot_mapping,
             backend=self.prefill_backend,
             cu_seqlens_q=cu_seqlens_q,
