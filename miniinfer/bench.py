@@ -2,8 +2,15 @@
 
 Hygiene (from the reference posts): prompts are tokenized before timing, every run generates
 exactly ``new_tokens`` (EOS ignored), each engine gets warm-up runs, measured repeats are
-interleaved across engines so drift on a shared machine hits them alike, and every figure is
-the median (p50) over repeats. ``pct_of_hf`` compares engines measured in the same run.
+interleaved across engines so drift on a shared machine hits them alike (the order rotates each
+repeat, so no engine always runs right after another), and every figure is the median (p50)
+over repeats.
+
+``pct_of_hf`` compares engines measured in the same run, pairwise: each repeat gives one ratio
+``tok_s / hf's tok_s`` from runs seconds apart, and the column is the median of those ratios;
+``pct_of_hf_min`` and ``pct_of_hf_max`` are their extremes. On a shared machine whose speed
+drifts by 10-30% within minutes, a ratio taken between neighbouring runs is steadier than a
+ratio of two medians, and the min-max spread says how far a single ratio can be trusted.
 """
 
 from __future__ import annotations
@@ -68,6 +75,14 @@ def run_metrics(result: GenerationResult, batch_size: int, new_tokens: int) -> d
     }
 
 
+def paired_pct(runs: list[dict[str, float]], hf_runs: list[dict[str, float]]) -> dict[str, float]:
+    """tok/s as % of hf's, repeat by repeat (repeat ``i`` of each ran in the same round):
+    the median ratio and the extremes."""
+    ratios = [100 * r["tok_s"] / h["tok_s"] for r, h in zip(runs, hf_runs, strict=True)]
+    return {"pct_of_hf": statistics.median(ratios), "pct_of_hf_min": min(ratios),
+            "pct_of_hf_max": max(ratios)}
+
+
 def run_bench(lm: LoadedModel, config: BenchConfig,
               engines: dict[str, Engine] | None = None) -> pd.DataFrame:
     """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs."""
@@ -85,9 +100,10 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     engine.generate(prompts, params)
                     bar.update()
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
-            for _ in range(config.repeat):
-                for name, engine in engines.items():
-                    result = engine.generate(prompts, params)
+            names = list(engines)
+            for r in range(config.repeat):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    result = engines[name].generate(prompts, params)
                     runs[name].append(run_metrics(result, batch_size, config.new_tokens))
                     bar.update()
             # Mid-decode context length stands for the average step.
@@ -95,6 +111,8 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                                  bandwidth)
             for name, measured in runs.items():
                 p50 = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
+                if "hf" in runs:
+                    p50.update(paired_pct(measured, runs["hf"]))
                 rows.append({
                     "chapter": config.chapter, "engine": name, "model": lm.name,
                     "dtype": str(lm.dtype).removeprefix("torch."), "batch_size": batch_size,
@@ -104,14 +122,11 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     "bandwidth_gbs": bandwidth / 1e9, **meta,
                 })
     df = pd.DataFrame(rows)
-    if "hf" in engines:
-        hf_tok_s = df[df.engine == "hf"].set_index("batch_size").tok_s
-        df["pct_of_hf"] = 100 * df.tok_s / df.batch_size.map(hf_tok_s)
-    else:
-        df["pct_of_hf"] = float("nan")
+    if "hf" not in engines:
+        df["pct_of_hf"] = df["pct_of_hf_min"] = df["pct_of_hf_max"] = float("nan")
     first = ["chapter", "engine", "model", "device", "device_name", "dtype", "batch_size",
              "prompt_len", "new_tokens", "repeats", "tok_s", "step_ms", "ttft_ms", "tpot_ms",
-             "pct_of_hf", "floor_ms", "pct_of_floor"]
+             "pct_of_hf", "pct_of_hf_min", "pct_of_hf_max", "floor_ms", "pct_of_floor"]
     return df[first + [c for c in df.columns if c not in first]]
 
 

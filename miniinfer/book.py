@@ -78,13 +78,13 @@ def results_markdown() -> str:
         if not needed <= set(dev.columns):
             continue  # profiles, serving runs: their chapters show them
         table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
-        pct = dev.pivot_table(index="batch_size", columns="engine", values="pct_of_hf", sort=False)
-        cells = table.round(1).astype(str) + " (" + pct.round(0).astype(int).astype(str) + "%)"
+        cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
         first = dev.iloc[0]
+        spread = ", per-repeat min-max" if "pct_of_hf_min" in dev.columns else ""
         out.append(f"**{path.parent.name}** ({path.name}): {first.device_name}, {first.model} "
                    f"{first['dtype']}, prompt {first.prompt_len}, {first.new_tokens} new tokens, "
                    f"p50 of {first.repeats}, torch {first.torch}, transformers "
-                   f"{first.transformers}, git {first.git_sha}. tok/s (% of hf):\n")
+                   f"{first.transformers}, git {first.git_sha}. tok/s (% of hf{spread}):\n")
         out.append(_markdown(cells.reset_index()) + "\n")
     return "\n".join(out)
 
@@ -98,6 +98,26 @@ def _markdown(df: pd.DataFrame) -> str:
 def pct_of_hf_table(df: pd.DataFrame) -> pd.DataFrame:
     """% of HF tok/s (same run) per device and batch size, engines as columns in stage order."""
     return tok_s_table(df, "pct_of_hf")
+
+
+def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.DataFrame:
+    """ "97% [91-104]": the median paired ratio to hf and its per-repeat extremes (runs
+    recorded before the extremes were kept show the median alone)."""
+    def pivot(value: str) -> pd.DataFrame:
+        return df.pivot_table(index=index, columns="engine", values=value, sort=False,
+                              dropna=False).round(0).astype("Int64").astype(str)
+
+    cells = pivot("pct_of_hf") + "%"
+    if "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all():
+        cells = cells + " [" + pivot("pct_of_hf_min") + "-" + pivot("pct_of_hf_max") + "]"
+    return cells
+
+
+def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
+    """:func:`pct_of_hf_table` with each cell's per-repeat range: "97% [91-104]" is a median
+    paired ratio of 97% whose repeats ranged from 91% to 104%. Where two engines' ranges
+    overlap this much, the run cannot tell them apart."""
+    return _pct_cells(df, ["device_name", "model", "dtype", "batch_size"])
 
 
 def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens / s",

@@ -60,11 +60,13 @@ def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
     if device.type == "cuda":
         return "qwen2.5-7b", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64, new_tokens=128,
                                          warmup=2, repeat=5)
-    # MINIINFER_QUICK=1 halves the decode length and drops a repeat (a busy shared machine).
+    # A shared CPU drifts by 10-30% within minutes and single paired ratios move by 5-12
+    # points, so 7 repeats: enough for a median ratio and a min-max spread that mean something.
+    # MINIINFER_QUICK=1 halves the decode length and keeps 3 repeats (a reader in a hurry).
     quick = os.environ.get("MINIINFER_QUICK") == "1"
     return "smollm2-135m", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
                                        new_tokens=32 if quick else 64, warmup=1,
-                                       repeat=2 if quick else 3)
+                                       repeat=3 if quick else 7)
 
 
 def results_path(chapter: str, device: torch.device) -> Path:

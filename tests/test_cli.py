@@ -80,4 +80,5 @@ def test_bench_writes_tidy_csv(tmp_path):
     assert set(required) <= set(df.columns)
     assert len(df) == 4 and set(df.engine) == {"hf", "naive"}
     assert df[df.engine == "hf"].pct_of_hf.tolist() == pytest.approx([100, 100])
+    assert (df.pct_of_hf_min <= df.pct_of_hf).all() and (df.pct_of_hf <= df.pct_of_hf_max).all()
     assert (df.tok_s > 0).all() and (df.new_tokens == 4).all()

@@ -1,0 +1,47 @@
+"""The benchmark's bookkeeping, with scripted engines whose speeds are known exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniinfer.bench import BenchConfig, paired_pct, run_bench
+from miniinfer.engines import GenerationResult
+
+
+class ScriptedEngine:
+    """Takes ``seconds[i]`` (simulated) for its i-th generate and logs the order of calls."""
+
+    def __init__(self, name: str, seconds: list[float], log: list[str]) -> None:
+        self.name, self.seconds, self.log = name, iter(seconds), log
+
+    def generate(self, prompts, params) -> GenerationResult:
+        self.log.append(self.name)
+        total = next(self.seconds)
+        steps = params.max_new_tokens
+        # Prefill takes a step's time too; token_times are evenly spaced.
+        times = [total * (i + 1) / steps for i in range(steps)]
+        return GenerationResult([[0] * steps for _ in prompts], 0.0, times, total)
+
+
+def test_paired_pct_is_the_median_of_per_repeat_ratios():
+    hf = [{"tok_s": t} for t in (100, 50, 100)]
+    fast = [{"tok_s": t} for t in (110, 60, 90)]  # ratios 110%, 120%, 90%
+    assert paired_pct(fast, hf) == pytest.approx(
+        {"pct_of_hf": 110, "pct_of_hf_min": 90, "pct_of_hf_max": 120})
+    # A ratio of medians would say 90 / 100 = 90%: the drift of repeat 2 hid the gain.
+
+
+def test_bench_rotates_order_and_pairs_repeats(tiny):
+    log: list[str] = []
+    # Warm-up then 3 repeats. The machine halves its speed in repeat 2: both engines slow
+    # down, and each repeat's ratio (hf time / fast time) stays exactly 1.25.
+    engines = {"hf": ScriptedEngine("hf", [1.0, 1.0, 2.0, 1.0], log),
+               "fast": ScriptedEngine("fast", [0.8, 0.8, 1.6, 0.8], log)}
+    config = BenchConfig(engines=tuple(engines), batch_sizes=(2,), prompt_len=4, new_tokens=4,
+                         warmup=1, repeat=3)
+    df = run_bench(tiny, config, engines).set_index("engine")
+    assert log == ["hf", "fast", "hf", "fast", "fast", "hf", "hf", "fast"]
+    assert df.loc["fast", "pct_of_hf"] == pytest.approx(125)
+    assert df.loc["fast", "pct_of_hf_min"] == pytest.approx(125)
+    assert df.loc["fast", "pct_of_hf_max"] == pytest.approx(125)
+    assert df.loc["hf", "tok_s"] == pytest.approx(2 * 4 / 1.0)
