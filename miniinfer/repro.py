@@ -45,7 +45,9 @@ CHAPTERS: dict[str, ChapterRun] = {
     "04": ChapterRun("04_preallocated_buffers.ipynb", ("hf", *_STAGES[2:5])),
     # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
     "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
-    "06": ChapterRun("06_paged_attention.ipynb", ("hf", *_STAGES[3:6])),
+    # Both ways into the model: HF's modules (registry) and our direct forward (the default).
+    "06": ChapterRun("06_paged_attention.ipynb",
+                     ("hf", *_STAGES[3:5], "paged-attention:registry", "paged-attention")),
     # Chapter 07 also profiles each loop for its timelines (see run_chapter07).
     "07": ChapterRun("07_async_streams.ipynb",
                      ("hf", "paged-attention", "async:sync", "async:overlap"),

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from template import assert_greedy_matches_hf
 from torch.profiler import ProfilerActivity, profile
-from transformers import AttentionInterface, masking_utils
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
 from miniinfer import ENGINES, KVCacheFull, MiniInferError, SamplingParams, make_engine
@@ -21,6 +22,7 @@ from miniinfer.engines.paged_attention import (
     PagedAttentionEngine,
     attn_implementation,
 )
+from miniinfer.errors import UnknownNameError
 from miniinfer.kernels import triton_attention
 
 DECODE_PHASES = ["prepare_inputs", "model_forward", "sample"]
@@ -33,9 +35,11 @@ def test_registered_after_paged_prealloc():
     assert PagedAttentionEngine.chapter == "06"
 
 
-def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy):
-    engine = make_engine("paged-attention", smollm2)
+@pytest.mark.parametrize("name", ["paged-attention", "paged-attention:registry"])
+def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy, name):
+    engine = make_engine(name, smollm2)
     assert engine.backend.name == "torch"  # "auto" on a CPU
+    assert engine.forward == ("registry" if name.endswith("registry") else "direct")
     assert_greedy_matches_hf(engine, template_prompts, hf_greedy)
     manager = engine.kv_cache.block_manager
     assert manager.num_free_blocks == manager.num_blocks
@@ -111,13 +115,67 @@ def test_attention_sees_no_mask_and_no_cache(tiny, monkeypatch):
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
                         lambda *a, **k: pytest.fail("a mask was being prepared"))
     assert ATTN_IMPLEMENTATION not in AttentionMaskInterface._global_mapping
-    make_engine("paged-attention", tiny).generate(
+    make_engine("paged-attention:registry", tiny).generate(
         [[5, 6, 7], [8] * 20], SamplingParams(max_new_tokens=4, ignore_eos=True))
     layers = tiny.config.num_hidden_layers
     assert len(calls) == 4 * layers  # prefill and three decode steps
     assert all(mask is None and cache is None for mask, cache, _ in calls)
     # Prefill: both prompts as one flat sequence; decode: one token per request.
     assert [shape[2] for _, _, shape in calls[::layers]] == [23, 2, 2, 2]
+
+
+def test_direct_forward_gives_hf_modules_logits_bit_for_bit(tiny, monkeypatch):
+    # Same ops on the same weights in the same order: prefill logits are equal, not close.
+    prompts = [[5, 6, 7], [8] * 20, list(range(100, 117))]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    logits = {}
+    for forward in ("registry", "direct"):
+        engine = make_engine("paged-attention", tiny, forward=forward)
+        with torch.inference_mode(), attn_implementation(tiny.model, ATTN_IMPLEMENTATION):
+            logits[forward] = engine.prefill([0, 1, 2], prompts, params)[1]
+    assert logits["direct"].shape == (3, tiny.config.vocab_size)
+    assert torch.equal(logits["direct"], logits["registry"])
+    # And the direct forward never goes through HF's modules' attention.
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTN_IMPLEMENTATION,
+                        lambda *a, **k: pytest.fail("HF's attention was called"))
+    direct = make_engine("paged-attention:direct", tiny).generate(prompts, params).token_ids
+    assert direct == make_engine("hf", tiny).generate(prompts, params).token_ids
+
+
+def _tiny_model(lm, model_type: str, **overrides):
+    """A random model of another architecture with ``lm``'s tokenizer and vocabulary."""
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  vocab_size=lm.config.vocab_size, **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    return replace(lm, name=f"tiny-{model_type}", model=model)
+
+
+def test_direct_forward_runs_qwen2_with_its_biases(tiny):
+    qwen2 = _tiny_model(tiny, "qwen2")
+    assert qwen2.model.model.layers[0].self_attn.q_proj.bias is not None
+    prompts = [[5, 6, 7], [8] * 20, list(range(100, 117))]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = make_engine("paged-attention", qwen2)
+    assert engine.forward == "direct"
+    assert engine.generate(prompts, params).token_ids == \
+        make_engine("hf", qwen2).generate(prompts, params).token_ids
+
+
+def test_other_architectures_fall_back_to_the_registry(tiny):
+    mistral = _tiny_model(tiny, "mistral")
+    assert make_engine("paged-attention", mistral).forward == "registry"
+    with pytest.raises(MiniInferError, match="forward 'direct' cannot run 'tiny-mistral': "
+                                             "model type 'mistral' is not one of llama, qwen2"):
+        make_engine("paged-attention:direct", mistral)
+    sliding = _tiny_model(tiny, "qwen2", use_sliding_window=True, sliding_window=8,
+                          max_window_layers=0)
+    with pytest.raises(MiniInferError, match="sliding-window layers"):
+        make_engine("paged-attention", sliding, forward="direct")
+    with pytest.raises(UnknownNameError, match="unknown forward 'fast'"):
+        make_engine("paged-attention", tiny, forward="fast")
 
 
 def test_pool_too_small_raises_and_frees_everything(tiny):

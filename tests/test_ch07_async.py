@@ -109,6 +109,8 @@ def test_variant_names_are_checked(tiny):
     with pytest.raises(UnknownNameError, match="async:sync"):
         resolve_engine("async:bogus")
     with pytest.raises(UnknownNameError, match="no variants"):
+        resolve_engine("paged-prealloc:sync")
+    with pytest.raises(UnknownNameError, match="paged-attention:registry"):
         resolve_engine("paged-attention:sync")
     with pytest.raises(UnknownNameError, match="unknown loop"):
         AsyncEngine(tiny, loop="threads")

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from transformers import AttentionInterface
 
 from ..devices import sync
 from ..errors import InvalidRequestError, MiniInferError
@@ -45,48 +44,33 @@ from ..scheduler import (
 )
 from .base import GenerationResult
 from .paged_attention import (
+    ATTN_IMPLEMENTATION,
     PagedAttentionEngine,
     PagedAttentionMetadata,
     attn_implementation,
-    paged_attention_forward,
 )
-
-ATTN_IMPLEMENTATION = "miniinfer_continuous"
 
 
 @dataclass(slots=True)
 class MixedBatchMetadata:
     """One step's forward: the first ``num_decodes`` tokens are decodes (one per request), the
     rest prompt chunks; each part carries chapter 06's metadata, or None when the step has none
-    of that kind."""
+    of that kind. It has chapter 06's ``attend``, so it goes wherever that metadata goes: to
+    the direct forward, or down HF's modules to the registered paged attention."""
 
     num_decodes: int
     decodes: PagedAttentionMetadata | None
     chunks: PagedAttentionMetadata | None
 
-
-def mixed_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float, dropout: float = 0.0,
-                            paged_attention: MixedBatchMetadata | None = None,
-                            **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface over a mixed batch: chapter 06's paged attention run
-    on the decode tokens and on the chunk tokens separately (``[1, heads, T, head_dim]`` in,
-    ``[1, T, heads, head_dim]`` out)."""
-    if paged_attention is None:
-        raise MiniInferError(f"attention {ATTN_IMPLEMENTATION!r} needs the mixed batch metadata "
-                             f"that the continuous engine passes to the model")
-    n = paged_attention.num_decodes
-    parts = [paged_attention_forward(module, query[:, :, rows], key[:, :, rows],
-                                     value[:, :, rows], None, scaling, dropout,
-                                     paged_attention=meta)[0]
-             for meta, rows in ((paged_attention.decodes, slice(None, n)),
-                                (paged_attention.chunks, slice(n, None)))
-             if meta is not None]
-    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)), None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, mixed_attention_forward)
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """Chapter 06's ``attend`` on the decode rows and on the chunk rows separately
+        (``[T, heads, head_dim]`` in and out)."""
+        n = self.num_decodes
+        parts = [meta.attend(layer_idx, q[rows], k[rows], v[rows], scale)
+                 for meta, rows in ((self.decodes, slice(None, n)), (self.chunks, slice(n, None)))
+                 if meta is not None]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 @dataclass(slots=True)
@@ -116,6 +100,7 @@ class ContinuousEngine(PagedAttentionEngine):
     name = "continuous"
     chapter = "08"
     summary = "continuous batching: token-budget scheduler, chunked prefill, preemption"
+    variants = ()  # it still takes forward=, like chapter 06's stage; no named variants
 
     def __init__(self, lm: LoadedModel, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 256, chunked_prefill: bool = True,

@@ -41,13 +41,14 @@ from itertools import accumulate
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from ..errors import MiniInferError
+from ..errors import MiniInferError, UnknownNameError
 from ..kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..profiling import phase
 from ..sampling import SamplingParams, sample
 from .base import GenerationResult
+from .direct_forward import DirectForward, unsupported_reason
 from .paged_loop import PagedLoopEngine
 
 ATTN_IMPLEMENTATION = "miniinfer_paged"
@@ -66,6 +67,21 @@ class PagedAttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B + 1]; None: one new token per request
     max_seqlen_q: int = 1
     decode_run: DecodeFn | None = None  # the backend's decode plan, made by the first layer
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """One layer's attention for this forward's new tokens, ``[T, heads, head_dim]`` in and
+        out (``k``, ``v``: ``[T, kv_heads, head_dim]``, RoPE applied): store their K/V in their
+        slots, then run the varlen kernel (prefill: whole prompts, causal) or the decode kernel
+        (one token per request)."""
+        k_cache, v_cache = self.kv[layer_idx]
+        decode = self.cu_seqlens_q is None
+        with phase("write_decode_kv" if decode else "write_prefill_kv"):
+            self.backend.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        if decode:
+            return self.decode(q, k_cache, v_cache, scale)
+        return self.backend.varlen(q, k_cache, v_cache, self.cu_seqlens_q, self.block_tables,
+                                   self.context_lens, scale, self.max_seqlen_q)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -88,22 +104,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: ``query`` ``[1, heads, T, head_dim]`` and
     ``key``/``value`` ``[1, kv_heads, T, head_dim]`` (RoPE applied) for the ``T`` new tokens;
-    returns ``[1, T, heads, head_dim]`` like ``sdpa_attention_forward``, and no weights."""
+    returns ``[1, T, heads, head_dim]`` like ``sdpa_attention_forward``, and no weights.
+    ``paged_attention`` is anything with ``attend`` (chapter 08's mixed batches too)."""
     if paged_attention is None:
         raise MiniInferError(f"attention {ATTN_IMPLEMENTATION!r} needs the paged_attention "
-                             f"metadata that the paged-attention engine passes to the model")
-    meta = paged_attention
-    k_cache, v_cache = meta.kv[module.layer_idx]
+                             f"metadata that miniinfer's paged engines pass to the model")
     # The kernels take one row per token: [T, heads, head_dim] (a view, no copy).
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    decode = meta.cu_seqlens_q is None
-    with phase("write_decode_kv" if decode else "write_prefill_kv"):
-        meta.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if decode:
-        out = meta.decode(q, k_cache, v_cache, scaling)
-    else:
-        out = meta.backend.varlen(q, k_cache, v_cache, meta.cu_seqlens_q, meta.block_tables,
-                                  meta.context_lens, scaling, meta.max_seqlen_q)
+    out = paged_attention.attend(module.layer_idx, q, k, v, scaling)
     return out.unsqueeze(0), None
 
 
@@ -130,14 +138,35 @@ class PagedBatch:
     block_tables: torch.Tensor  # int32 [B, blocks of the longest request], on the device
 
 
+FORWARDS = ("direct", "registry")
+
+
 class PagedAttentionEngine(PagedLoopEngine):
     name = "paged-attention"
     chapter = "06"
     summary = "attention kernel reads KV through block tables: no gather step, no dense mask"
+    # "paged-attention:registry" runs HF's modules with our attention plugged in by name;
+    # "paged-attention:direct" our own forward over the same weights (see ``forward``).
+    variant_option = "forward"
+    variants = (*FORWARDS, "auto")
 
     def __init__(self, lm: LoadedModel, attention_backend: str | None = None,
-                 **kv_options: int | None) -> None:
+                 forward: str = "auto", **kv_options: int | None) -> None:
         super().__init__(lm, **kv_options)
+        # Which model forward runs: HF's modules, our attention found through the registry
+        # ("registry"), or DirectForward, the same ops without the module tree ("direct",
+        # Llama/Qwen2 only; "auto" picks it wherever it applies).
+        reason = unsupported_reason(self.model)
+        if forward == "auto":
+            forward = "registry" if reason else "direct"
+        if forward not in FORWARDS:
+            raise UnknownNameError(f"unknown forward {forward!r} for engine {self.name!r}; "
+                                   f"forwards: {', '.join(FORWARDS)} (or auto)")
+        if forward == "direct" and reason:
+            raise MiniInferError(f"forward 'direct' cannot run {lm.name!r}: {reason}; "
+                                 f"use forward='registry'")
+        self.forward = forward
+        self.direct = DirectForward(self.model) if forward == "direct" else None
         block_size = self.kv_cache.block_size
         self.backend = get_backend(attention_backend, self.device, block_size)
         # flash-attn only decodes; prompts then go to the best backend with a varlen kernel.
@@ -249,6 +278,12 @@ class PagedAttentionEngine(PagedLoopEngine):
     def model_forward(self, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata,
                       logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
         """Logits ``[B, V]`` at the positions ``logits_to_keep`` picks (0: every position, which
-        in decode is one per request). No cache object: the K/V live in the pool."""
+        in decode is one per request; or a tensor of token indices). No cache object: the K/V
+        live in the pool."""
+        if self.direct is not None:
+            # Our callers keep every row (0) or name the rows (a tensor of token indices).
+            rows = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else None
+            return self.direct(inputs["input_ids"][0], inputs["position_ids"][0], metadata,
+                               rows)
         return self.model(**inputs, use_cache=False, paged_attention=metadata,
                           logits_to_keep=logits_to_keep).logits[0]
