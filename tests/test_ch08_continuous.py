@@ -105,6 +105,21 @@ def test_stop_strings_end_a_request_on_the_token_that_completes_them(smollm2):
     assert_all_blocks_free(engine)
 
 
+def test_stop_strings_are_looked_for_in_the_tail_only(smollm2, monkeypatch):
+    # Decoding a request's whole output at every token would be quadratic in its length.
+    tok = smollm2.tokenizer
+    decoded = []
+    decode = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **k: decoded.append(len(ids)) or
+                        decode(ids, *a, **k))
+    engine = make_engine("continuous", smollm2)
+    rid = engine.add_request(tok.encode("1, 2, 3, 4,"),
+                             SamplingParams(max_new_tokens=40, ignore_eos=True), stop=["@@"])
+    finished, _ = run_to_end(engine)
+    assert len(finished[rid].output_ids) == 40 and len(decoded) == 40
+    assert max(decoded) == 4 * 2 + 2
+
+
 def test_per_request_sampling_params_and_seeds(tiny):
     prompts = [[5, 6, 7], list(range(20, 53))]
     sampled = SamplingParams(max_new_tokens=12, temperature=0.9, top_k=40, top_p=0.9, seed=7,

@@ -296,9 +296,14 @@ class ContinuousEngine(PagedAttentionEngine):
         params = request.params
         if token == self.lm.eos_token_id and not params.ignore_eos:
             return FinishReason.EOS
-        # A stop string ends in the newest token: earlier text held none, or we had stopped.
+        # A stop string ends in the newest token: earlier text held none, or we had stopped. So
+        # only the tail is decoded (decoding the whole output at every token is quadratic): a
+        # string of n characters is at most 4n UTF-8 bytes, every token at least one byte, so
+        # it lies in the last 4n + 1 tokens (a token may start mid-character); one more keeps
+        # it off the window's first token, whose leading space a decoder may drop.
         if request.stop:
-            text = self.lm.tokenizer.decode(request.output_ids)
+            window = 4 * max(len(s) for s in request.stop) + 2
+            text = self.lm.tokenizer.decode(request.output_ids[-window:])
             if any(s in text for s in request.stop):
                 return FinishReason.STOP
         if len(request.output_ids) >= params.max_new_tokens:
