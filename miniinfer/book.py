@@ -109,7 +109,10 @@ def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.Da
 
     cells = pivot("pct_of_hf") + "%"
     if "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all():
-        cells = cells + " [" + pivot("pct_of_hf_min") + "-" + pivot("pct_of_hf_max") + "]"
+        spread = " [" + pivot("pct_of_hf_min") + "-" + pivot("pct_of_hf_max") + "]"
+        # hf against itself is 100% in every repeat: no range to show.
+        cells = cells + spread.drop(columns="hf", errors="ignore").reindex(
+            columns=cells.columns, fill_value="")
     return cells
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from miniinfer.book import read_results, speed_of_light_table
+from miniinfer.book import pct_of_hf_spread_table, read_results, speed_of_light_table
 
 
 def test_commit_ids_stay_text(tmp_path):
@@ -31,3 +31,16 @@ def test_speed_of_light_shares_rescale_to_one_bandwidth(monkeypatch):
                         lambda chapter: runs.get(chapter, pd.DataFrame()))
     table = speed_of_light_table(("01", "02")).iloc[0]
     assert table["hf"] == 15.0 and table["naive"] == 15.0 and table["paged-loop"] == 15.0
+
+
+def test_spread_table_shows_each_engines_range_but_not_hfs():
+    rows = [("hf", 100.0, 100.0, 100.0), ("paged-attention", 98.4, 91.6, 106.2)]
+    df = pd.DataFrame([{"device_name": "cpu", "model": "m", "dtype": "float32", "batch_size": 8,
+                        "engine": e, "pct_of_hf": p, "pct_of_hf_min": lo, "pct_of_hf_max": hi}
+                       for e, p, lo, hi in rows])
+    cells = pct_of_hf_spread_table(df).iloc[0]
+    assert cells["hf"] == "100%"
+    assert cells["paged-attention"] == "98% [92-106]"
+    # Runs recorded before the range was kept show the median alone.
+    old = pct_of_hf_spread_table(df.drop(columns=["pct_of_hf_min", "pct_of_hf_max"])).iloc[0]
+    assert old["paged-attention"] == "98%"

@@ -165,17 +165,27 @@ def test_direct_forward_runs_qwen2_with_its_biases(tiny):
 
 
 def test_other_architectures_fall_back_to_the_registry(tiny):
-    mistral = _tiny_model(tiny, "mistral")
-    assert make_engine("paged-attention", mistral).forward == "registry"
+    mistral = _tiny_model(tiny, "mistral", sliding_window=None)
+    engine = make_engine("paged-attention", mistral)
+    assert engine.forward == "registry"
+    prompts, params = [[5, 6, 7], [8] * 20], SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert engine.generate(prompts, params).token_ids == \
+        make_engine("hf", mistral).generate(prompts, params).token_ids
     with pytest.raises(MiniInferError, match="forward 'direct' cannot run 'tiny-mistral': "
                                              "model type 'mistral' is not one of llama, qwen2"):
         make_engine("paged-attention:direct", mistral)
-    sliding = _tiny_model(tiny, "qwen2", use_sliding_window=True, sliding_window=8,
-                          max_window_layers=0)
-    with pytest.raises(MiniInferError, match="sliding-window layers"):
-        make_engine("paged-attention", sliding, forward="direct")
     with pytest.raises(UnknownNameError, match="unknown forward 'fast'"):
         make_engine("paged-attention", tiny, forward="fast")
+
+
+@pytest.mark.parametrize("model_type, options", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+])
+def test_sliding_window_models_are_refused(tiny, model_type, options):
+    model = _tiny_model(tiny, model_type, **options)
+    with pytest.raises(MiniInferError, match="sliding-window attention layers"):
+        make_engine("paged-attention", model)
 
 
 def test_pool_too_small_raises_and_frees_everything(tiny):

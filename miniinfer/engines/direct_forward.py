@@ -43,8 +43,6 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         return (f"model type {config.model_type!r} is not one of "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "it has sliding-window layers"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return "it splits its projections (pretraining_tp > 1)"
     return None
@@ -55,7 +53,7 @@ class DirectForward:
     the rows ``logits_rows`` picks (None: every token), ``[rows, vocab]``."""
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
+        # References to HF's weights and modules, not copies: the model stays shared.
         self.embed = model.model.embed_tokens.weight
         self.rotary = model.model.rotary_emb
         self.layers = model.model.layers

@@ -130,6 +130,14 @@ def attn_implementation(model: PreTrainedModel, name: str) -> Iterator[None]:
         model.set_attn_implementation(previous)
 
 
+def has_sliding_window(config) -> bool:
+    """Whether any layer attends to a sliding window only (Mistral, some Qwen2 configs)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(config, "sliding_window", None) is not None
+
+
 @dataclass(slots=True)
 class PagedBatch:
     """The requests decoding in lockstep; row ``i`` of the block tables is ``request_ids[i]``."""
@@ -152,6 +160,11 @@ class PagedAttentionEngine(PagedLoopEngine):
 
     def __init__(self, lm: LoadedModel, attention_backend: str | None = None,
                  forward: str = "auto", **kv_options: int | None) -> None:
+        if has_sliding_window(lm.config):
+            # Our kernels attend to the whole context; a windowed layer would silently read
+            # tokens it must not see once a sequence outgrows the window.
+            raise MiniInferError(f"{lm.name!r} has sliding-window attention layers, which the "
+                                 f"paged attention kernels do not implement")
         super().__init__(lm, **kv_options)
         # Which model forward runs: HF's modules, our attention found through the registry
         # ("registry"), or DirectForward, the same ops without the module tree ("direct",
