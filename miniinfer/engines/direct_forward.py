@@ -5,8 +5,9 @@ layer a dozen ``nn.Module`` calls (each through ``__call__`` and its hook checks
 arguments threaded through every level, output dataclasses, and our attention adapter turning
 ``[1, heads, T, dim]`` into the kernels' ``[T, heads, dim]`` and back. On a GPU that host time
 hides behind the device (and chapter 07's CUDA graphs remove it). On a CPU it is on the critical
-path, next to matmuls of only a few tokens: it cost our paged-attention stage 4-9% of a batch-8
-decode step against HF's own forward (chapter 06 measures it).
+path, next to matmuls of only a few tokens: timing single batch-8 decode forwards on our 2-core
+CPU, HF's modules with our attention took 2-9% longer than HF's own forward with its dense
+cache (chapter 06's benchmark has both forwards).
 
 :class:`DirectForward` is the same computation written out: embedding, then per layer RMSNorm,
 the q/k/v projections, RoPE, paged attention, the output projection, RMSNorm and the gated MLP,
