@@ -1,8 +1,7 @@
-"""Profiler ranges for the engines' decode step, and the analysis on top of them (chapters 04-05).
+"""Trace analysis for chapters 04-07: the engines' decode steps under ``torch.profiler``.
 
-``phase(name)`` marks a named range with ``torch.profiler.record_function``. Ranges can be
-switched off entirely (``set_ranges(False)``) so chapter 05 can measure what they cost when no
-profiler is running.
+The ranges themselves (``phase``, ``PHASES``) live in ``ranges``, which the engines import;
+this module imports the engines, so keeping the two apart avoids an import cycle.
 
 ``profile_decode`` runs an engine under ``torch.profiler``, exports the Chrome trace (gzipped,
 opens in Perfetto or chrome://tracing) and loads its events into DuckDB, so the questions of the
@@ -16,45 +15,17 @@ import gzip
 import json
 import shutil
 import tempfile
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import pandas as pd
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
+from .ranges import PHASES, READ_TOKENS, STEP, phase, ranges_disabled, set_ranges
 from .sampling import SamplingParams
 
-_ranges_on = True
-
-# The labelled phases of a paged engine's decode step, in execution order.
-STEP = "decode_step"
-PHASES = ("prepare_inputs", "gather_batch_kv", "build_cache", "model_forward", "sample",
-          "write_decode_kv")
-# Where a decode loop waits for a step's tokens to reach the host (chapter 07).
-READ_TOKENS = "read_tokens"
-
-
-def set_ranges(enabled: bool) -> None:
-    global _ranges_on
-    _ranges_on = enabled
-
-
-@contextmanager
-def ranges_disabled() -> Iterator[None]:
-    previous = _ranges_on
-    set_ranges(False)
-    try:
-        yield
-    finally:
-        set_ranges(previous)
-
-
-def phase(name: str) -> AbstractContextManager:
-    return record_function(name) if _ranges_on else nullcontext()
-
+__all__ = ["PHASES", "READ_TOKENS", "STEP", "phase", "ranges_disabled", "set_ranges"]
 
 @dataclass(slots=True)
 class Trace:

@@ -41,7 +41,7 @@ import torch
 from ..errors import UnknownNameError
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
-from ..profiling import READ_TOKENS, phase
+from ..ranges import READ_TOKENS, phase
 from ..sampling import SamplingParams, make_generator, sample
 from .base import GenerationResult, StepClock, trim_at_eos
 from .paged_attention import PagedAttentionEngine, PagedAttentionMetadata

@@ -32,7 +32,7 @@ from ..devices import sync
 from ..errors import InvalidRequestError, MiniInferError
 from ..kv_cache import RequestId, blocks_for
 from ..models import LoadedModel
-from ..profiling import phase
+from ..ranges import phase
 from ..sampling import SamplingParams, make_generator, sample
 from ..scheduler import (
     FinishReason,

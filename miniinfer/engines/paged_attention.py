@@ -45,7 +45,7 @@ from ..errors import MiniInferError, UnknownNameError
 from ..kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
-from ..profiling import phase
+from ..ranges import phase
 from ..sampling import SamplingParams, sample
 from .base import GenerationResult
 from .direct_forward import DirectForward, unsupported_reason

@@ -21,7 +21,7 @@ from transformers import Cache, DynamicCache
 
 from ..kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, PagedKVCache
 from ..models import LoadedModel
-from ..profiling import phase
+from ..ranges import phase
 from ..sampling import SamplingParams, make_generator, sample
 from .base import Engine, GenerationResult, StepClock, left_pad, trim_at_eos
 

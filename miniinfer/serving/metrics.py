@@ -1,0 +1,69 @@
+"""The metrics serving systems are judged by, with the usual definitions (vLLM's
+``benchmark_serving``): TTFT = first token - arrival; end-to-end latency = last token - arrival;
+TPOT = (latency - TTFT) / (output tokens - 1), per request; ITL = the gaps between a request's
+consecutive tokens, pooled over requests; request and output-token throughput over the run's
+duration (start to the last finish). Each latency is reported as mean, p50, p90 and p99.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .systems import ServingRun
+
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+PERCENTILES = (50, 90, 99)
+
+
+def request_table(run: ServingRun) -> pd.DataFrame:
+    """One row per request: its timeline relative to the run's start (s) and its latencies (ms)."""
+    rows = []
+    for r in run.requests:
+        t = r.timeline
+        n = len(t.token_times)
+        e2e = t.finish - t.arrival
+        ttft = t.first_token - t.arrival
+        rows.append({
+            "request": r.index, "prompt_len": r.prompt_len, "output_len": n,
+            "arrival_s": t.arrival - run.start, "first_scheduled_s": t.first_scheduled - run.start,
+            "first_token_s": t.first_token - run.start, "finish_s": t.finish - run.start,
+            "queue_ms": (t.first_scheduled - t.arrival) * 1e3, "ttft_ms": ttft * 1e3,
+            "tpot_ms": (e2e - ttft) / (n - 1) * 1e3 if n > 1 else math.nan,
+            "e2e_ms": e2e * 1e3, "num_preemptions": r.num_preemptions,
+        })
+    return pd.DataFrame(rows)
+
+
+def step_table(run: ServingRun) -> pd.DataFrame:
+    """Our engine's steps, relative to the run's start: what each forward held."""
+    return pd.DataFrame([{
+        "step": i, "start_s": s.start - run.start, "end_s": s.end - run.start,
+        "num_decodes": s.num_decodes, "num_prefill_tokens": s.num_prefill_tokens,
+        "num_preempted": len(s.preempted),
+    } for i, s in enumerate(run.steps)])
+
+
+def _stats(name: str, values: Sequence[float]) -> dict[str, float]:
+    values = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if not len(values):
+        return {f"{name}_mean_ms": math.nan, **{f"{name}_p{p}_ms": math.nan for p in PERCENTILES}}
+    return {f"{name}_mean_ms": float(values.mean()),
+            **{f"{name}_p{p}_ms": float(np.percentile(values, p)) for p in PERCENTILES}}
+
+
+def summarize(run: ServingRun) -> dict[str, float]:
+    """The run's throughputs and latency statistics (one row of the results CSV)."""
+    table = request_table(run)
+    itl = [(b - a) * 1e3 for r in run.requests
+           for a, b in zip(r.timeline.token_times, r.timeline.token_times[1:], strict=False)]
+    duration = run.end - run.start
+    out = {"num_requests": len(table), "output_tokens": int(table.output_len.sum()),
+           "duration_s": duration, "request_throughput": len(table) / duration,
+           "output_throughput": table.output_len.sum() / duration}
+    for name in LATENCIES:
+        out |= _stats(name, itl if name == "itl" else table[f"{name}_ms"])
+    return out

@@ -1,0 +1,209 @@
+"""Three ways to serve a workload (chapter 08): ``continuous`` (our chapter 08 engine),
+``static-<engine>`` (request-level batching with any earlier stage: when the engine is free it
+takes up to ``static_batch_size`` requests that have arrived and runs them to the end of the
+longest) and ``hf-cb`` (transformers' own continuous batching, the manager behind
+``model.generate_batch``).
+
+Arrivals are replayed in real time: a request that arrives while a step runs waits for it, and
+that wait is part of its latency. EOS is ignored so every system generates exactly the requested
+number of tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..devices import kv_bytes_per_token
+from ..engines import ENGINES, Engine, make_engine
+from ..engines.continuous import ContinuousEngine, StepResult
+from ..errors import UnknownNameError
+from ..kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
+from ..models import LoadedModel
+from ..sampling import SamplingParams
+from ..scheduler import RequestTimeline
+from .workloads import WorkloadRequest
+
+if TYPE_CHECKING:  # the benchmark builds on these systems, not the other way round
+    from .benchmark import ServingBenchConfig
+
+STATIC_PREFIX = "static-"
+# transformers' default KV block for its continuous batching; at 16 tokens its CPU path is
+# several times slower, so it gets its own default (and the same KV memory as ours).
+HF_CB_BLOCK_SIZE = 256
+
+
+@dataclass(slots=True)
+class ServedRequest:
+    index: int
+    prompt_len: int
+    output_ids: list[int]
+    timeline: RequestTimeline
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class ServingRun:
+    """One system serving one workload: per-request timelines, and the steps of our engine."""
+
+    system: str
+    start: float
+    requests: list[ServedRequest]
+    steps: list[StepResult] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return max(r.timeline.finish for r in self.requests)
+
+
+def _wait_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.perf_counter()))
+
+
+def _ignore_eos(max_new_tokens: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def serve_continuous(engine: ContinuousEngine, workload: Sequence[WorkloadRequest]) -> ServingRun:
+    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    run = ServingRun(engine.name, time.perf_counter(), [])
+    by_id = {w.index: w for w in workload}
+    while pending or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            _wait_until(run.start + pending[0].arrival_s)
+        now = time.perf_counter()
+        while pending and run.start + pending[0].arrival_s <= now:
+            w = pending.popleft()
+            engine.add_request(w.prompt_ids, _ignore_eos(w.max_new_tokens), request_id=w.index,
+                               arrival_time=run.start + w.arrival_s)
+        step = engine.step()
+        run.steps.append(step)
+        run.requests += [ServedRequest(r.request_id, len(by_id[r.request_id].prompt_ids),
+                                       r.output_ids, r.timeline, r.num_preemptions)
+                         for r in step.outputs if r.finished]
+    run.requests.sort(key=lambda r: r.index)
+    return run
+
+
+def serve_static(engine: Engine, workload: Sequence[WorkloadRequest],
+                 batch_size: int = 8) -> ServingRun:
+    """Request-level batching: each batch runs to its longest request. A request's tokens are
+    stamped as its batch produces them (as if streamed), so only the waiting is charged."""
+    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    run = ServingRun(f"{STATIC_PREFIX}{engine.name}", time.perf_counter(), [])
+    while pending:
+        _wait_until(run.start + pending[0].arrival_s)
+        now = time.perf_counter()
+        batch = []
+        while pending and len(batch) < batch_size and run.start + pending[0].arrival_s <= now:
+            batch.append(pending.popleft())
+        result = engine.generate([w.prompt_ids for w in batch],
+                                 _ignore_eos(max(w.max_new_tokens for w in batch)))
+        for w, ids in zip(batch, result.token_ids, strict=True):
+            times = result.token_times[: w.max_new_tokens]
+            run.requests.append(ServedRequest(
+                w.index, len(w.prompt_ids), ids[: w.max_new_tokens],
+                RequestTimeline(run.start + w.arrival_s, result.start, [], times, times[-1])))
+    run.requests.sort(key=lambda r: r.index)
+    return run
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' continuous batching logs through its own handler; keep it to errors."""
+    cb_logger = logging.getLogger("ContinuousBatchingLogger")
+    level = cb_logger.level
+    cb_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        cb_logger.setLevel(level)
+
+
+def serve_hf_cb(lm: LoadedModel, workload: Sequence[WorkloadRequest], max_batch_tokens: int,
+                kv_cache_bytes: int, block_size: int = HF_CB_BLOCK_SIZE) -> ServingRun:
+    """transformers' continuous batching: the manager ``model.generate_batch`` wraps, used
+    directly so that each request keeps its own output length and arrival time. It schedules
+    with the same token budget and gets as many KV bytes as our engine."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    num_blocks = max(1, kv_cache_bytes // (kv_bytes_per_token(lm) * block_size))
+    generation_config = GenerationConfig(
+        max_new_tokens=max(w.max_new_tokens for w in workload), do_sample=False,
+        eos_token_id=-1,  # transformers' spelling of "ignore EOS"
+        pad_token_id=lm.pad_token_id)
+    cb_config = ContinuousBatchingConfig(block_size=block_size, num_blocks=num_blocks,
+                                         max_batch_tokens=max_batch_tokens)
+    pending = sorted(workload, key=lambda w: w.arrival_s)
+    outputs = {}
+    # warmup=True builds the cache before the clock starts (on a CPU there is nothing to
+    # capture); the generation loop runs in transformers' background thread.
+    with _quiet_transformers(), lm.model.continuous_batching_context_manager(
+            generation_config=generation_config, continuous_batching_config=cb_config,
+            block=True, warmup=True) as manager:
+        start = time.perf_counter()
+        for w in pending:
+            _wait_until(start + w.arrival_s)
+            manager.add_request(w.prompt_ids, request_id=str(w.index),
+                                max_new_tokens=w.max_new_tokens, record_timestamps=True)
+        while len(outputs) < len(pending):
+            output = manager.get_result(timeout=1)
+            if output is not None and output.is_finished():
+                if output.error is not None:
+                    raise RuntimeError(f"transformers continuous batching failed request "
+                                       f"{output.request_id}: {output.error}")
+                outputs[int(output.request_id)] = output
+            elif output is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early")
+    return ServingRun("hf-cb", start, [
+        ServedRequest(w.index, len(w.prompt_ids), outputs[w.index].generated_tokens,
+                      RequestTimeline(start + w.arrival_s, outputs[w.index].lifespan[0], [],
+                                      outputs[w.index].timestamps, outputs[w.index].lifespan[1]))
+        for w in sorted(workload, key=lambda w: w.index)])
+
+
+def check_system(system: str) -> None:
+    engine = system.removeprefix(STATIC_PREFIX)
+    if system.startswith(STATIC_PREFIX) and engine in ENGINES and engine != "continuous":
+        return
+    if system not in ("continuous", "hf-cb"):
+        static = ", ".join(STATIC_PREFIX + e for e in ENGINES if e != "continuous")
+        raise UnknownNameError(f"unknown serving system {system!r}; systems: continuous, "
+                               f"hf-cb, {static}")
+
+
+def default_pool_bytes(lm: LoadedModel) -> int:
+    """The KV pool an engine gets by default (see ``KVCacheConfig``), without allocating it."""
+    block_bytes = kv_bytes_per_token(lm) * DEFAULT_BLOCK_SIZE
+    return KVCacheConfig().resolve_num_blocks(block_bytes, lm.max_context) * block_bytes
+
+
+class Systems:
+    """Serves workloads with one system at a time; its engine (and the KV pool allocated with
+    it) is kept while the next runs use the same system and budget, then let go."""
+
+    def __init__(self, lm: LoadedModel, config: ServingBenchConfig) -> None:
+        self.lm = lm
+        self.config = config
+        self.kv_cache_bytes = config.kv_cache_bytes or default_pool_bytes(lm)
+        self.current: tuple[tuple[str, int], Engine] | None = None
+
+    def serve(self, system: str, budget: int, workload: list[WorkloadRequest]) -> ServingRun:
+        if system == "hf-cb":
+            return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
+        if self.current is None or self.current[0] != (system, budget):
+            self.current = None  # the old pool goes before the new one is allocated
+            engine = make_engine("continuous", self.lm, max_num_batched_tokens=budget,
+                                 memory_bytes=self.kv_cache_bytes) if system == "continuous" \
+                else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
+            self.current = ((system, budget), engine)
+        engine = self.current[1]
+        if isinstance(engine, ContinuousEngine):
+            return serve_continuous(engine, workload)
+        return serve_static(engine, workload, self.config.static_batch_size)
