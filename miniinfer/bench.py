@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from .devices import decode_floor, measure_bandwidth, run_metadata
 from .engines import Engine, GenerationResult, make_engine
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, keep_on_interrupt
 from .models import LoadedModel
 from .sampling import SamplingParams
 
@@ -85,14 +85,19 @@ def paired_pct(runs: list[dict[str, float]], hf_runs: list[dict[str, float]]) ->
 
 def run_bench(lm: LoadedModel, config: BenchConfig,
               engines: dict[str, Engine] | None = None) -> pd.DataFrame:
-    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs."""
+    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. Every
+    engine checks the prompts before any is timed. Ctrl-C raises ``Interrupted`` holding the
+    rows of the batch sizes that had finished."""
     engines = engines or {name: make_engine(name, lm) for name in config.engines}
     params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
+    for engine in engines.values():
+        engine.validate(make_prompts(lm, max(config.batch_sizes), config.prompt_len), params)
     bandwidth = measure_bandwidth(lm.device)
     meta = run_metadata(lm.device)
     rows = []
     total = len(config.batch_sizes) * len(engines) * (config.warmup + config.repeat)
-    with tqdm(total=total, desc=f"bench {lm.name}", leave=False) as bar:
+    with (keep_on_interrupt(lambda: _tidy(rows, engines) if rows else None),
+          tqdm(total=total, desc=f"bench {lm.name}", leave=False) as bar):
         for batch_size in config.batch_sizes:
             prompts = make_prompts(lm, batch_size, config.prompt_len, config.seed)
             for engine in engines.values():
@@ -121,6 +126,10 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     "floor_ms": floor.step_ms, "pct_of_floor": 100 * floor.step_ms / p50["step_ms"],
                     "bandwidth_gbs": bandwidth / 1e9, **meta,
                 })
+    return _tidy(rows, engines)
+
+
+def _tidy(rows: list[dict], engines: dict[str, Engine]) -> pd.DataFrame:
     df = pd.DataFrame(rows)
     if "hf" not in engines:
         df["pct_of_hf"] = df["pct_of_hf_min"] = df["pct_of_hf_max"] = float("nan")

@@ -1,8 +1,11 @@
 """Command line: ``python -m miniinfer generate | bench | bench-serving | engines | models | results |
 repro NN``.
 
-User errors (unknown names, empty or over-long prompts, impossible sampling values) print one
-line to stderr and exit with status 2; anything else is a bug and keeps its traceback.
+User errors (unknown names, empty or over-long prompts, unreadable input files, an ``--out``
+that cannot be written, impossible sampling values or devices) print one line to stderr and
+exit with status 2, and are checked before the model loads; anything else is a bug and keeps
+its traceback. Ctrl-C exits with status 130 and one line; ``bench`` and ``bench-serving``
+first write what had finished (marked ``partial=True``).
 """
 
 from __future__ import annotations
@@ -11,11 +14,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .errors import InvalidRequestError, MiniInferError
-from .inputs import read_jsonl
+from .errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
+from .inputs import check_output_path, check_text, read_jsonl
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .serving import ServingResults
 
 USAGE_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:
@@ -49,12 +59,10 @@ def _range(text: str, name: str) -> tuple[int, int]:
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
-    prompts = list(args.prompt or [])
+    prompts = [check_text(text, f"--prompt {i}") for i, text in enumerate(args.prompt or [])]
     if args.prompts:
         path = Path(args.prompts)
-        if not path.exists():
-            raise InvalidRequestError(f"prompts file {path} does not exist")
-        for n, item in read_jsonl(path):
+        for n, item in read_jsonl(path, "prompts file"):
             if isinstance(item, dict):
                 if "prompt" not in item:
                     raise InvalidRequestError(f'{path}:{n} has no "prompt" field')
@@ -70,16 +78,41 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def _check_model(args: argparse.Namespace) -> None:
+    """Model, device and dtype names, checked before anything loads."""
+    from .models import MODELS, resolve_device, resolve_dtype
+
+    if args.model not in MODELS:
+        raise UnknownNameError(f"unknown model {args.model!r}; available models: {', '.join(MODELS)}")
+    resolve_device(args.device)
+    resolve_dtype(args.dtype, MODELS[args.model].default_dtype)
+
+
+def _mark_partial(df: pd.DataFrame) -> pd.DataFrame:
+    return df.assign(partial=True)
+
+
+def _report_interrupt(kept: int | None, out: Path | None) -> None:
+    """Ctrl-C in a benchmark: the one line saying what was kept (``kept`` finished rows,
+    written marked ``partial=True`` where there is an ``out``) or that nothing was written."""
+    rows = f"{kept} finished row{'' if kept == 1 else 's'}"
+    if kept is None:
+        line = "interrupted before any result had finished; nothing was written"
+    elif out is None:
+        line = f"interrupted; the {rows} shown above, nothing was written (no --out)"
+    else:
+        line = f"interrupted; wrote the {rows} to {out}, marked partial=True"
+    print(f"miniinfer: {line}", file=sys.stderr)
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from .engines import make_engine, resolve_engine
-    from .errors import UnknownNameError
-    from .models import MODELS, load_model
+    from .models import load_model
     from .sampling import SamplingParams
 
     # Cheap checks first: a typo should not cost a model load.
     resolve_engine(args.engine)
-    if args.model not in MODELS:
-        raise UnknownNameError(f"unknown model {args.model!r}; available models: {', '.join(MODELS)}")
+    _check_model(args)
     texts = _read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -109,25 +142,41 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     for name in args.engines:
         resolve_engine(name)
+    _check_model(args)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                          warmup=args.warmup, repeat=args.repeat, chapter=args.chapter)
+    out = check_output_path(args.out, "--out") if args.out is not None else None
+
+    def write(df: pd.DataFrame, partial: bool = False) -> int:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            (_mark_partial(df) if partial else df).to_csv(out, index=False)
+        return len(df)
+
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     engines = {name: make_engine(name, lm) for name in config.engines}
-    df = run_bench(lm, config, engines)
+    try:
+        df = run_bench(lm, config, engines)
+    except Interrupted as exc:
+        if exc.partial is not None:
+            print(summary_table(exc.partial).to_string(index=False))
+        _report_interrupt(None if exc.partial is None else write(exc.partial, partial=True),
+                          out)
+        raise
     print(summary_table(df).to_string(index=False))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out, index=False)
+    if out is not None:
+        write(df)
         print(f"wrote {out}")
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
     from .models import load_model
     from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench, summary_table
+    from .serving.workloads import read_dataset_texts
 
     # Every argument is checked before the model loads.
+    _check_model(args)
     workload = WorkloadConfig(num_requests=args.num_requests,
                               prompt_len=_range(args.prompt_len, "--prompt-len"),
                               output_len=_range(args.output_len, "--output-len"),
@@ -137,15 +186,35 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 static_batch_size=args.static_batch_size,
                                 warmup=not args.no_warmup, chapter=args.chapter)
+    if args.dataset:
+        read_dataset_texts(args.dataset)
+    out = None
+    if args.out is not None:
+        out = check_output_path(args.out, "--out")
+        for suffix in ("requests", "steps"):
+            check_output_path(out.with_name(f"{out.stem}-{suffix}.csv"), "--out")
+
+    def write(results: ServingResults, partial: bool = False) -> int:
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            mark = _mark_partial if partial else (lambda df: df)
+            mark(results.runs).to_csv(out, index=False)
+            mark(results.requests).to_csv(out.with_name(f"{out.stem}-requests.csv"), index=False)
+            mark(results.steps).to_csv(out.with_name(f"{out.stem}-steps.csv"), index=False)
+        return len(results.runs)
+
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    results = run_serving_bench(lm, config)
+    try:
+        results = run_serving_bench(lm, config)
+    except Interrupted as exc:
+        if exc.partial is not None:
+            print(summary_table(exc.partial.runs).to_string(index=False))
+        _report_interrupt(None if exc.partial is None else write(exc.partial, partial=True),
+                          out)
+        raise
     print(summary_table(results.runs).to_string(index=False))
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        results.runs.to_csv(out, index=False)
-        results.requests.to_csv(out.with_name(f"{out.stem}-requests.csv"), index=False)
-        results.steps.to_csv(out.with_name(f"{out.stem}-steps.csv"), index=False)
+    if out is not None:
+        write(results)
         print(f"wrote {out} (+ -requests, -steps)")
 
 
@@ -255,8 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except MiniInferError as exc:
-        print(f"miniinfer: error: {exc}", file=sys.stderr)
+        print(f"miniinfer: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
         return USAGE_ERROR
+    except Interrupted:
+        return INTERRUPTED  # its line is printed where the command knows what was kept
+    except KeyboardInterrupt:
+        print("miniinfer: interrupted", file=sys.stderr)
+        return INTERRUPTED
     return 0
 
 

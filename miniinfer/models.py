@@ -187,15 +187,28 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to run on, checked before anything loads: only CPU and CUDA run the book's
+    engines (no MPS, and the meta device holds no data to compute on)."""
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise UnknownNameError(f"unknown device {device!r}: {exc}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise UnknownNameError(f"device {device!r} requested but CUDA is not available")
+    except (RuntimeError, TypeError):
+        raise UnknownNameError(f"unknown device {device!r}; choose {DEVICE_CHOICES}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise UnknownNameError(f"device {device!r} is not supported; choose {DEVICE_CHOICES}")
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not count:
+            raise UnknownNameError(f"device {device!r} requested but CUDA is not available on "
+                                   f"this machine; choose auto or cpu")
+        if resolved.index is not None and resolved.index >= count:
+            raise UnknownNameError(f"device {device!r} does not exist: this machine has {count} "
+                                   f"CUDA device(s), cuda:0 to cuda:{count - 1}")
     return resolved
 
 

@@ -241,9 +241,10 @@ def execute_notebook(chapter: str) -> None:
 
 
 def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: bool = True) -> None:
-    chapter = chapter.zfill(2)
+    given = chapter.strip()
+    chapter = given.zfill(2) if given.isdigit() else given  # "1" is chapter 01, "" none
     if chapter not in CHAPTERS:
-        raise UnknownNameError(f"unknown chapter {chapter!r}; chapters: {', '.join(CHAPTERS)}")
+        raise UnknownNameError(f"unknown chapter {given!r}; chapters: {', '.join(CHAPTERS)}")
     if chapter == "05":
         run_chapter05(device)
     elif chapter == "07":

@@ -8,10 +8,27 @@ import torch
 
 from .errors import InvalidRequestError
 
+# Below this, logits / temperature overflows float32 for large logits (1e-300 is 0 in
+# float32: every logit becomes inf and softmax NaN), and long before it sampling is argmax in
+# all but name: at 0.01 a logit gap of 0.1 already weighs e^10. vLLM draws the line there too.
+MIN_TEMPERATURE = 1e-2
+# The seeds torch.Generator.manual_seed accepts (a 64-bit integer, signed or not).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` means greedy (argmax)."""
+    """How to pick each next token. ``temperature == 0`` means greedy (argmax); otherwise it
+    must be at least ``MIN_TEMPERATURE``. Every value is checked here, so an engine never
+    meets one it cannot use."""
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -21,14 +38,30 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks generate a fixed number of tokens
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise InvalidRequestError(f"max_new_tokens must be >= 1 (an integer), got "
+                                      f"{self.max_new_tokens!r}")
+        # `not x >= ...` also rejects NaN; inf would make every probability equal (or NaN).
+        if not _is_real(self.temperature) or not self.temperature >= 0 \
+                or self.temperature == float("inf"):
+            raise InvalidRequestError(f"temperature must be >= 0 (a finite number), got "
+                                      f"{self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise InvalidRequestError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got "
+                f"{self.temperature!r}: below that logits / temperature can overflow, and "
+                f"sampling is greedy anyway")
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        low, high = SEED_RANGE
+        if self.seed is not None and (not _is_int(self.seed) or not low <= self.seed <= high):
+            raise InvalidRequestError(f"seed must be an integer in [-2**63, 2**64 - 1] "
+                                      f"(torch's range), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be True or False, got "
+                                      f"{self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,8 @@ for the policy); this module is the step that carries a decision out:
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -120,11 +122,28 @@ class ContinuousEngine(PagedAttentionEngine):
         """Queue a request; returns its id. ``stop``: strings that end the request once they
         appear in its output text. ``arrival_time`` (a ``perf_counter`` stamp, default now)
         is when the request reached the server, the origin of its latencies."""
-        params = params or SamplingParams()
-        prompt = list(prompt_ids)
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {params!r}")
+        try:
+            # operator.index takes ints of any kind (numpy, 0-d tensors), not floats or text.
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt_ids must be a sequence of integer token ids, got "
+                                      f"{prompt_ids!r}") from None
         self.validate([prompt], params)
-        if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        if isinstance(stop, str) or not isinstance(stop, Sequence) \
+                or not all(isinstance(s, str) and s for s in stop):
             raise InvalidRequestError(f"stop must be a sequence of non-empty strings, got {stop!r}")
+        try:
+            hash(request_id)  # a dict key; isinstance(Hashable) passes a tuple holding a list
+        except TypeError:
+            raise InvalidRequestError(f"request_id must be hashable (a str or an int), got "
+                                      f"{request_id!r}") from None
+        if arrival_time is not None and (not isinstance(arrival_time, int | float)
+                                         or not math.isfinite(arrival_time)):
+            raise InvalidRequestError(f"arrival_time must be a perf_counter() stamp, got "
+                                      f"{arrival_time!r}")
         return self._enqueue(prompt, params, tuple(stop), request_id, arrival_time)
 
     def step(self) -> StepResult:

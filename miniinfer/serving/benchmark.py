@@ -3,20 +3,27 @@ request rate and token budget, into three tidy tables (runs, requests, steps).""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pandas as pd
 from tqdm import tqdm
 
 from ..devices import run_metadata
-from ..errors import InvalidRequestError
+from ..errors import InvalidRequestError, keep_on_interrupt
 from ..models import LoadedModel
 from .metrics import request_table, step_table, summarize
 from .systems import Systems, check_system
-from .workloads import WorkloadConfig, make_workload
+from .workloads import WorkloadConfig, check_workload, make_workload
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,15 +59,56 @@ class ServingResults:
     steps: pd.DataFrame  # one row per step of every continuous run
 
 
+class _Worker:
+    """One worker thread that serves, and that Ctrl-C reaches: Python delivers SIGINT to the
+    main thread only, so on KeyboardInterrupt there the same exception is raised in the worker,
+    where it lands at its next Python bytecode, within a step (not after the whole run, which
+    the main thread would otherwise have to wait for)."""
+
+    def __init__(self, executor: ThreadPoolExecutor) -> None:
+        self.executor = executor
+        self.lock = threading.Lock()
+        self.busy_thread: int | None = None  # the worker's id while it runs a call
+
+    def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self.lock:
+            self.busy_thread = threading.get_ident()
+        try:
+            return fn(*args)
+        finally:
+            # An interrupt sent before this point lands in here at the latest, never later
+            # in the executor's own loop.
+            with self.lock:
+                self.busy_thread = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        future = self.executor.submit(self._call, fn, *args)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            with self.lock:
+                if self.busy_thread is not None:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(self.busy_thread), ctypes.py_object(KeyboardInterrupt))
+            futures_wait([future])
+            raise
+
+
 def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
                       progress: bool = True) -> ServingResults:
     """Every planned run after a short warm-up of its system; arrivals and lengths come from
-    the same seed for every system, so each serves exactly the same requests."""
+    the same seed for every system, so each serves exactly the same requests. Every workload is
+    checked against the model before the first run. Ctrl-C stops within a step and raises
+    ``Interrupted`` holding the runs that had finished (None when none had)."""
     meta = run_metadata(lm.device)
     tags = {"chapter": config.chapter, "model": lm.name,
             "dtype": str(lm.dtype).removeprefix("torch.")}
     budgets = config.max_num_batched_tokens
     rates = config.request_rates or (config.workload.request_rate,)
+    workloads = {rate: make_workload(lm, replace(config.workload, request_rate=rate))
+                 for rate in rates}
+    for workload in workloads.values():
+        check_workload(lm, workload)
     plan = [(rate, system, budget) for system in config.systems
             for budget in (budgets if system in ("continuous", "hf-cb") else [0])
             for rate in rates]
@@ -72,19 +120,26 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     # always runs its loop in one: on our CPU machine PyTorch's matrix multiplies run
     # differently in the main thread than in others (like one thread; faster when the cores
     # are contended, slower when they are free), and a comparison must not hinge on that.
-    with ThreadPoolExecutor(max_workers=1) as worker:
+    with (keep_on_interrupt(lambda: _results(config, meta, runs, requests, steps) if runs
+                            else None),
+          ThreadPoolExecutor(max_workers=1) as executor):
+        worker = _Worker(executor)
         for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
                                          leave=False):
             if config.warmup:
-                worker.submit(systems.serve, system, budget or budgets[0], warmup).result()
-            workload = make_workload(lm, replace(config.workload, request_rate=rate))
-            run = worker.submit(systems.serve, system, budget or budgets[0], workload).result()
+                worker.run(systems.serve, system, budget or budgets[0], warmup)
+            run = worker.run(systems.serve, system, budget or budgets[0], workloads[rate])
             run_tags = {**tags, "system": system, "request_rate": rate,
                         "max_num_batched_tokens": budget or math.nan}
             runs.append({**run_tags, **summarize(run)})
             requests.append(request_table(run).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))
+    return _results(config, meta, runs, requests, steps)
+
+
+def _results(config: ServingBenchConfig, meta: dict[str, str | int], runs: list[dict],
+             requests: list[pd.DataFrame], steps: list[pd.DataFrame]) -> ServingResults:
     w = config.workload
     workload_cols = {"num_requests_config": w.num_requests,
                      "prompt_len_range": f"{w.prompt_len[0]}-{w.prompt_len[1]}",

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..bench import FIRST_PLAIN_TOKEN
 from ..errors import InvalidRequestError
-from ..inputs import read_jsonl
+from ..inputs import check_input_file, read_jsonl
 from ..models import LoadedModel
 
 
@@ -35,8 +36,8 @@ class WorkloadConfig:
         if not self.request_rate > 0:
             raise InvalidRequestError(f"request_rate must be > 0 (inf: all at once), got "
                                       f"{self.request_rate!r}")
-        if self.dataset is not None and not Path(self.dataset).is_file():
-            raise InvalidRequestError(f"dataset file {self.dataset} does not exist")
+        if self.dataset is not None:
+            check_input_file(self.dataset, "dataset file")
         for name in ("prompt_len", "output_len"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
@@ -52,22 +53,26 @@ class WorkloadRequest:
     max_new_tokens: int
 
 
-def read_dataset(path: str | Path, tokenizer) -> list[tuple[list[int], int | None]]:
+def read_dataset_texts(path: str | Path) -> list[tuple[str, int | None]]:
     """A JSONL file, one ``{"prompt": text, "output_len": n}`` per line (``output_len``
-    optional): the tokenized prompts and their output lengths."""
-    path = Path(path)
+    optional): the prompts and their output lengths, every line checked (no model needed, so
+    the CLI reads it before loading one)."""
     items = []
-    for n, item in read_jsonl(path):
+    for n, item in read_jsonl(path, "dataset file"):
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) \
                 or not item["prompt"].strip():
             raise InvalidRequestError(f'{path}:{n} needs a non-empty string "prompt"')
         output_len = item.get("output_len")
-        if output_len is not None and (not isinstance(output_len, int) or output_len < 1):
+        if output_len is not None and (not isinstance(output_len, int)
+                                       or isinstance(output_len, bool) or output_len < 1):
             raise InvalidRequestError(f'{path}:{n}: "output_len" must be an integer >= 1')
-        items.append((tokenizer.encode(item["prompt"]), output_len))
-    if not items:
-        raise InvalidRequestError(f"dataset file {path} holds no prompts")
+        items.append((item["prompt"], output_len))
     return items
+
+
+def read_dataset(path: str | Path, tokenizer) -> list[tuple[list[int], int | None]]:
+    """``read_dataset_texts`` with the prompts tokenized."""
+    return [(tokenizer.encode(text), output_len) for text, output_len in read_dataset_texts(path)]
 
 
 def make_workload(lm: LoadedModel, config: WorkloadConfig) -> list[WorkloadRequest]:
@@ -88,3 +93,16 @@ def make_workload(lm: LoadedModel, config: WorkloadConfig) -> list[WorkloadReque
                       for _ in range(rng.randint(*config.prompt_len))]
         requests.append(WorkloadRequest(index, arrival, list(prompt), output_len))
     return requests
+
+
+def check_workload(lm: LoadedModel, workload: Sequence[WorkloadRequest]) -> None:
+    """Every request must fit the model's context with all its output tokens: checked once for
+    every system before any serves (some would reject a request mid-run, transformers' would
+    serve it past the model's positions)."""
+    for w in workload:
+        need = len(w.prompt_ids) + w.max_new_tokens
+        if need > lm.max_context:
+            raise InvalidRequestError(
+                f"workload request {w.index} has {len(w.prompt_ids)} prompt tokens and "
+                f"{w.max_new_tokens} output tokens: {need} positions, more than the model's "
+                f"context of {lm.max_context}")
