@@ -85,13 +85,10 @@ def paired_pct(runs: list[dict[str, float]], hf_runs: list[dict[str, float]]) ->
 
 def run_bench(lm: LoadedModel, config: BenchConfig,
               engines: dict[str, Engine] | None = None) -> pd.DataFrame:
-    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. Every
-    engine checks the prompts before any is timed. Ctrl-C raises ``Interrupted`` holding the
-    rows of the batch sizes that had finished."""
+    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. Ctrl-C
+    raises ``Interrupted`` holding the rows of the batch sizes that had finished."""
     engines = engines or {name: make_engine(name, lm) for name in config.engines}
     params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
-    for engine in engines.values():
-        engine.validate(make_prompts(lm, max(config.batch_sizes), config.prompt_len), params)
     bandwidth = measure_bandwidth(lm.device)
     meta = run_metadata(lm.device)
     rows = []

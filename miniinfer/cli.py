@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
 from .inputs import check_output_path, check_text, read_jsonl
@@ -88,21 +89,22 @@ def _check_model(args: argparse.Namespace) -> None:
     resolve_dtype(args.dtype, MODELS[args.model].default_dtype)
 
 
-def _mark_partial(df: pd.DataFrame) -> pd.DataFrame:
-    return df.assign(partial=True)
-
-
-def _report_interrupt(kept: int | None, out: Path | None) -> None:
-    """Ctrl-C in a benchmark: the one line saying what was kept (``kept`` finished rows,
-    written marked ``partial=True`` where there is an ``out``) or that nothing was written."""
-    rows = f"{kept} finished row{'' if kept == 1 else 's'}"
+def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any], None],
+                 write: Callable[[Any, bool], int]) -> Interrupted:
+    """Ctrl-C in a benchmark: show and keep what had finished (``write`` it marked
+    ``partial=True``; it returns the number of rows) or say that nothing was written, in one
+    line on stderr. Returns the exception to raise, which ``main`` turns into status 130."""
+    kept = exc.partial if isinstance(exc, Interrupted) else None
     if kept is None:
         line = "interrupted before any result had finished; nothing was written"
-    elif out is None:
-        line = f"interrupted; the {rows} shown above, nothing was written (no --out)"
     else:
-        line = f"interrupted; wrote the {rows} to {out}, marked partial=True"
+        show(kept)
+        n = write(kept, True)
+        rows = f"{n} finished row{'' if n == 1 else 's'}"
+        line = f"interrupted; wrote the {rows} to {out}, marked partial=True" if out else \
+            f"interrupted; the {rows} shown above, nothing was written (no --out)"
     print(f"miniinfer: {line}", file=sys.stderr)
+    return Interrupted(kept)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -136,9 +138,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import BenchConfig, run_bench, summary_table
+    from .bench import BenchConfig, make_prompts, run_bench, summary_table
     from .engines import make_engine, resolve_engine
     from .models import load_model
+    from .sampling import SamplingParams
 
     for name in args.engines:
         resolve_engine(name)
@@ -151,19 +154,21 @@ def cmd_bench(args: argparse.Namespace) -> None:
     def write(df: pd.DataFrame, partial: bool = False) -> int:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            (_mark_partial(df) if partial else df).to_csv(out, index=False)
+            (df.assign(partial=True) if partial else df).to_csv(out, index=False)
         return len(df)
 
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
-    engines = {name: make_engine(name, lm) for name in config.engines}
     try:
+        lm = load_model(args.model, device=args.device, dtype=args.dtype)
+        engines = {name: make_engine(name, lm) for name in config.engines}
+        # The prompt must fit the model's context: found now, not after the bandwidth
+        # measurement.
+        longest = make_prompts(lm, 1, config.prompt_len)
+        for engine in engines.values():
+            engine.validate(longest, SamplingParams(max_new_tokens=config.new_tokens))
         df = run_bench(lm, config, engines)
-    except Interrupted as exc:
-        if exc.partial is not None:
-            print(summary_table(exc.partial).to_string(index=False))
-        _report_interrupt(None if exc.partial is None else write(exc.partial, partial=True),
-                          out)
-        raise
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc, out, lambda df: print(summary_table(df).to_string(index=False)),
+                           write) from None
     print(summary_table(df).to_string(index=False))
     if out is not None:
         write(df)
@@ -197,21 +202,18 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     def write(results: ServingResults, partial: bool = False) -> int:
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            mark = _mark_partial if partial else (lambda df: df)
-            mark(results.runs).to_csv(out, index=False)
-            mark(results.requests).to_csv(out.with_name(f"{out.stem}-requests.csv"), index=False)
-            mark(results.steps).to_csv(out.with_name(f"{out.stem}-steps.csv"), index=False)
+            for df, path in ((results.runs, out),
+                             (results.requests, out.with_name(f"{out.stem}-requests.csv")),
+                             (results.steps, out.with_name(f"{out.stem}-steps.csv"))):
+                (df.assign(partial=True) if partial else df).to_csv(path, index=False)
         return len(results.runs)
 
-    lm = load_model(args.model, device=args.device, dtype=args.dtype)
     try:
+        lm = load_model(args.model, device=args.device, dtype=args.dtype)
         results = run_serving_bench(lm, config)
-    except Interrupted as exc:
-        if exc.partial is not None:
-            print(summary_table(exc.partial.runs).to_string(index=False))
-        _report_interrupt(None if exc.partial is None else write(exc.partial, partial=True),
-                          out)
-        raise
+    except KeyboardInterrupt as exc:
+        raise _interrupted(exc, out, lambda r: print(summary_table(r.runs).to_string(index=False)),
+                           write) from None
     print(summary_table(results.runs).to_string(index=False))
     if out is not None:
         write(results)
@@ -280,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--repeat", type=int, default=3)
     bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
-    bench.add_argument("--out", help="CSV path")
+    bench.add_argument("--out", help="CSV path (Ctrl-C: the finished rows, marked partial)")
     bench.set_defaults(func=cmd_bench)
 
     serving = sub.add_parser(
@@ -302,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--seed", type=int, default=0)
     serving.add_argument("--no-warmup", action="store_true")
     serving.add_argument("--chapter", default="08", help="chapter tag written into the CSV")
-    serving.add_argument("--out", help="CSV path (requests and steps go next to it)")
+    serving.add_argument("--out", help="CSV path (requests and steps go next to it; Ctrl-C: "
+                                       "the finished runs, marked partial)")
     serving.set_defaults(func=cmd_bench_serving)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
@@ -327,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"miniinfer: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
         return USAGE_ERROR
     except Interrupted:
-        return INTERRUPTED  # its line is printed where the command knows what was kept
+        return INTERRUPTED  # the command has printed its line: it knows what it kept
     except KeyboardInterrupt:
         print("miniinfer: interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -58,7 +58,7 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def read_jsonl(path: str | Path, what: str) -> Iterator[tuple[int, object]]:
+def read_jsonl(path: str | Path, what: str = "input file") -> Iterator[tuple[int, object]]:
     """``(line number, parsed value)`` for every non-blank line of the JSONL file ``path``;
     a file without one is an error. Strings in the values are checked with ``check_text``."""
     path = Path(path)

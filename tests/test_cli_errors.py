@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
@@ -229,22 +230,13 @@ def _cli(*args: str | bytes) -> list[str | bytes]:
     return [sys.executable, "-m", "miniinfer", *args]
 
 
-def test_bytes_on_the_command_line_that_are_not_utf8():
-    proc = subprocess.run(_cli(*GEN, "--prompt", b"\xff\xfebad"), capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "LC_ALL": "C.UTF-8"})
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "miniinfer: error: --prompt 0 is not valid Unicode text: character 0 is a lone "
-        "surrogate U+DCFF (bytes on the command line that are not UTF-8 arrive this way)"]
-
-
 def _interrupt_once(args: list[str], progress: str) -> tuple[int, str, str, float]:
     """Run the CLI, send SIGINT once stderr shows ``progress`` (tqdm's count), and return the
     exit status, stdout, stderr and the seconds from the signal to the exit."""
     proc = subprocess.Popen(_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     os.set_blocking(proc.stderr.fileno(), False)
     err = b""
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 240
     while progress.encode() not in err:
         assert proc.poll() is None and time.monotonic() < deadline, err.decode()
         time.sleep(0.05)
@@ -256,13 +248,46 @@ def _interrupt_once(args: list[str], progress: str) -> tuple[int, str, str, floa
     return proc.returncode, out.decode(), (err + (rest or b"")).decode(), took
 
 
-def test_ctrl_c_in_bench_keeps_the_finished_batch_sizes(tmp_path):
-    out = tmp_path / "bench.csv"
-    # Batch size 1 finishes (tqdm shows 1/2), then SIGINT lands while batch size 2 decodes.
-    status, stdout, stderr, took = _interrupt_once(
-        ["bench", "--model", "tiny", "--engines", "naive", "--batch-sizes", "1,2",
-         "--prompt-len", "8", "--new-tokens", "300", "--warmup", "0", "--repeat", "1",
-         "--out", str(out)], "1/2")
+def _run_with_bytes(*args: str | bytes) -> subprocess.CompletedProcess:
+    return subprocess.run(_cli(*args), capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory) -> dict[str, object]:
+    """The real processes, run side by side (most of each is Python's start-up):
+    - bench: batch size 1 finishes (tqdm shows 1/2), then SIGINT lands while batch size 8
+      decodes, in the main thread;
+    - serving: the run at rate inf finishes (1/2), then SIGINT lands in the worker thread
+      during the next, whose arrivals alone take seconds;
+    - bytes: a prompt of bytes that are not UTF-8."""
+    tmp = tmp_path_factory.mktemp("processes")
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        jobs = {
+            "bench": pool.submit(_interrupt_once, [
+                "bench", "--model", "tiny", "--engines", "naive", "--batch-sizes", "1,8",
+                "--prompt-len", "8", "--new-tokens", "400", "--warmup", "0", "--repeat", "1",
+                "--out", str(tmp / "bench.csv")], "1/2"),
+            "serving": pool.submit(_interrupt_once, [
+                "bench-serving", "--model", "tiny", "--systems", "continuous",
+                "--request-rates", "inf,2", "--num-requests", "16", "--prompt-len", "8,16",
+                "--output-len", "50,50", "--no-warmup", "--out", str(tmp / "serving.csv")],
+                "1/2"),
+            "bytes": pool.submit(_run_with_bytes, *GEN, "--prompt", b"\xff\xfebad"),
+        }
+        return {"dir": tmp} | {name: job.result() for name, job in jobs.items()}
+
+
+def test_bytes_on_the_command_line_that_are_not_utf8(processes):
+    proc = processes["bytes"]
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "miniinfer: error: --prompt 0 is not valid Unicode text: character 0 is a lone "
+        "surrogate U+DCFF (bytes on the command line that are not UTF-8 arrive this way)"]
+
+
+def test_ctrl_c_in_bench_keeps_the_finished_batch_sizes(processes):
+    out = processes["dir"] / "bench.csv"
+    status, stdout, stderr, took = processes["bench"]
     assert status == 130 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         f"miniinfer: interrupted; wrote the 1 finished row to {out}, marked partial=True")
@@ -271,20 +296,15 @@ def test_ctrl_c_in_bench_keeps_the_finished_batch_sizes(tmp_path):
     assert df.batch_size.tolist() == [1] and df.partial.all() and "naive" in stdout
 
 
-def test_ctrl_c_in_bench_serving_keeps_the_finished_runs(tmp_path):
-    out = tmp_path / "serving.csv"
-    # The run at rate inf finishes (1/2); SIGINT lands in the worker thread during the next,
-    # whose arrivals alone take seconds.
-    status, stdout, stderr, took = _interrupt_once(
-        ["bench-serving", "--model", "tiny", "--systems", "continuous",
-         "--request-rates", "inf,2", "--num-requests", "16", "--prompt-len", "8,16",
-         "--output-len", "50,50", "--no-warmup", "--out", str(out)], "1/2")
+def test_ctrl_c_in_bench_serving_keeps_the_finished_runs(processes):
+    out = processes["dir"] / "serving.csv"
+    status, stdout, stderr, took = processes["serving"]
     assert status == 130 and "Traceback" not in stderr
     assert stderr.strip().splitlines()[-1] == (
         f"miniinfer: interrupted; wrote the 1 finished row to {out}, marked partial=True")
     assert took < 20
     runs = pd.read_csv(out)
-    requests = pd.read_csv(tmp_path / "serving-requests.csv")
+    requests = pd.read_csv(out.with_name("serving-requests.csv"))
     assert runs.request_rate.tolist() == [float("inf")] and runs.partial.all()
     assert len(requests) == 16 and requests.partial.all() and "continuous" in stdout
 
@@ -309,3 +329,15 @@ def test_ctrl_c_before_anything_finished_writes_nothing(tmp_path, monkeypatch, c
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "miniinfer: interrupted before any result had finished; nothing was written")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", [BENCH, SERVE])
+def test_ctrl_c_while_the_model_loads(command, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(miniinfer.models, "load_model", interrupted)
+    assert main([*command, "--out", str(tmp_path / "x.csv")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "miniinfer: interrupted before any result had finished; nothing was written"]
+    assert not list(tmp_path.iterdir())
