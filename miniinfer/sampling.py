@@ -10,7 +10,8 @@ from .errors import InvalidRequestError
 
 # Below this, logits / temperature overflows float32 for large logits (1e-300 is 0 in
 # float32: every logit becomes inf and softmax NaN), and long before it sampling is argmax in
-# all but name: at 0.01 a logit gap of 0.1 already weighs e^10. vLLM draws the line there too.
+# all but name: at 0.01 a logit gap of 0.1 already weighs e^10. vLLM raises smaller values to
+# 0.01 with a warning; we refuse them, so that what runs is what was asked for.
 MIN_TEMPERATURE = 1e-2
 # The seeds torch.Generator.manual_seed accepts (a 64-bit integer, signed or not).
 SEED_RANGE = (-(2**63), 2**64 - 1)
