@@ -110,6 +110,10 @@ CASES = [
     ([*GEN_HI, "--dtype", "float8"], "unknown dtype 'float8'", True),
     # Benchmark settings.
     ([*BENCH, "--batch-sizes", "0"], "batch sizes >= 1", True),
+    ([*BENCH, "--batch-sizes", ""], "need at least one engine and batch sizes", True),
+    ([*BENCH, "--engines", ""], "need at least one engine", True),
+    ([*BENCH, "--warmup", "-1"], "warmup must be >= 0", True),
+    ([*BENCH, "--repeat", "0"], "repeat must be >= 1", True),
     ([*BENCH, "--prompt-len", "600"], "more than the model's context", False),
     ([*SERVE, "--request-rates", "fast"], "expected comma-separated request rates", True),
     ([*SERVE, "--request-rates", "nan"], "request_rate must be > 0", True),
@@ -118,6 +122,8 @@ CASES = [
     ([*SERVE, "--output-len", "9,3"], "output_len must be a range", True),
     ([*SERVE, "--systems", "static-warp"], "unknown serving system 'static-warp'", True),
     ([*SERVE, "--max-num-batched-tokens", "0"], "must be >= 1", True),
+    ([*SERVE, "--static-batch-size", "0"], "static_batch_size must be >= 1", True),
+    ([*SERVE, "--systems", ""], "need at least one system", True),
     # The workload against the model's context, the same answer for every system.
     ([*SERVE, "--prompt-len", "600,600"], "more than the model's context of 512", False),
     ([*SERVE, "--systems", "hf-cb", "--prompt-len", "600,600"],
@@ -128,6 +134,7 @@ CASES = [
      "more than the model's context of 512", False),
     # Nits.
     (["repro", ""], "unknown chapter ''", True),
+    (["repro", "abc"], "unknown chapter 'abc'", True),
     # argparse's own errors: usage first, the error line last.
     ([*GEN, "--max-new-tokens", "x"], "invalid int value: 'x'", True),
     (["bench", "--batch-sizes", "1,x"], "expected comma-separated integers", True),
