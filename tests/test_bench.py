@@ -45,3 +45,25 @@ def test_bench_rotates_order_and_pairs_repeats(tiny):
     assert df.loc["fast", "pct_of_hf_min"] == pytest.approx(125)
     assert df.loc["fast", "pct_of_hf_max"] == pytest.approx(125)
     assert df.loc["hf", "tok_s"] == pytest.approx(2 * 4 / 1.0)
+
+
+def test_pct_of_hf_is_against_hf_wherever_it_is_listed(tiny):
+    # hf listed last: every ratio is still to hf, and hf is 100% of itself.
+    engines = {"fast": ScriptedEngine("fast", [0.5, 0.5], []),
+               "slow": ScriptedEngine("slow", [2.0, 2.0], []),
+               "hf": ScriptedEngine("hf", [1.0, 1.0], [])}
+    config = BenchConfig(engines=tuple(engines), batch_sizes=(1,), prompt_len=4, new_tokens=4,
+                         warmup=0, repeat=2)
+    df = run_bench(tiny, config, engines).set_index("engine")
+    assert df.pct_of_hf.to_dict() == pytest.approx({"fast": 200, "slow": 50, "hf": 100})
+
+
+def test_ttft_and_tpot_from_the_token_times(tiny):
+    # 4 tokens stamped at 0.25, 0.5, 0.75 and 1.0 s after the start: TTFT is 250 ms and TPOT,
+    # the time per token after the first, (1.0 - 0.25) / (4 - 1) = 250 ms.
+    engines = {"hf": ScriptedEngine("hf", [1.0], [])}
+    config = BenchConfig(engines=("hf",), batch_sizes=(3,), prompt_len=4, new_tokens=4,
+                         warmup=0, repeat=1)
+    row = run_bench(tiny, config, engines).iloc[0]
+    assert row.ttft_ms == pytest.approx(250) and row.tpot_ms == pytest.approx(250)
+    assert row.step_ms == pytest.approx(250) and row.tok_s == pytest.approx(3 * 4 / 1.0)

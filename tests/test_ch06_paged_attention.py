@@ -69,13 +69,20 @@ def test_stops_at_eos_like_hf(smollm2):
 
 
 def test_seeded_sampling_is_reproducible(tiny):
+    """Same seed, same tokens; another seed, other tokens; and the naive engine, which shares
+    the sampler and one generator per batch, draws exactly these tokens from the same seed."""
     prompts = [[5, 6, 7], list(range(20, 53))]
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_k=50, top_p=0.9, seed=3,
                             ignore_eos=True)
     engine = make_engine("paged-attention", tiny)
     first = engine.generate(prompts, params).token_ids
-    assert engine.generate(prompts, params).token_ids == first
     assert all(len(row) == 20 for row in first)
+    assert engine.generate(prompts, params).token_ids == first
+    assert make_engine("naive", tiny).generate(prompts, params).token_ids == first
+    other_seed = engine.generate(prompts, replace(params, seed=4)).token_ids
+    assert all(a != b for a, b in zip(other_seed, first, strict=True))
+    greedy = engine.generate(prompts, replace(params, temperature=0.0)).token_ids
+    assert all(a != b for a, b in zip(greedy, first, strict=True))  # it did sample
 
 
 def test_device_block_tables_follow_the_block_manager(tiny):

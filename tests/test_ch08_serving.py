@@ -72,9 +72,11 @@ def test_workload_from_a_dataset_file(tiny, tmp_path):
     workload = make_workload(tiny, WorkloadConfig(num_requests=20, output_len=(2, 3),
                                                   dataset=str(path)))
     hello, bye = tiny.tokenizer.encode("Hello there"), tiny.tokenizer.encode("Bye")
+    assert [w.index for w in workload] == list(range(20))
     assert {tuple(w.prompt_ids) for w in workload} == {tuple(hello), tuple(bye)}
-    assert all(w.max_new_tokens == (7 if w.prompt_ids == hello else w.max_new_tokens)
-               and (w.prompt_ids == hello or 2 <= w.max_new_tokens <= 3) for w in workload)
+    # The line's output_len wins; a line without one draws from the configured range.
+    assert {w.max_new_tokens for w in workload if w.prompt_ids == hello} == {7}
+    assert {w.max_new_tokens for w in workload if w.prompt_ids == bye} <= {2, 3}
     path.write_text('{"text": "no prompt"}\n')
     with pytest.raises(InvalidRequestError, match=r'prompts.jsonl:1 needs a non-empty string'):
         make_workload(tiny, WorkloadConfig(dataset=str(path)))

@@ -34,16 +34,24 @@ def test_generate_reads_jsonl(tmp_path, capsys):
 
 
 def test_bench_writes_tidy_csv(tmp_path):
+    """One row per engine and batch size, one column per variable (no index column), the run's
+    settings and provenance on every row, and % of hf against hf though hf is not listed first."""
     out = tmp_path / "bench.csv"
-    assert main(["bench", "--model", "tiny", "--device", "cpu", "--batch-sizes", "1,2",
-                 "--prompt-len", "8", "--new-tokens", "4", "--warmup", "0", "--repeat", "2",
-                 "--chapter", "01", "--out", str(out)]) == 0
-    df = pd.read_csv(out)
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--engines", "naive,hf",
+                 "--batch-sizes", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--warmup",
+                 "0", "--repeat", "2", "--chapter", "01", "--out", str(out)]) == 0
+    df = pd.read_csv(out, dtype={"chapter": str})
     required = ["chapter", "engine", "model", "device", "device_name", "dtype", "batch_size",
                 "prompt_len", "new_tokens", "repeats", "tok_s", "step_ms", "ttft_ms", "tpot_ms",
                 "pct_of_hf", "torch", "transformers", "git_sha", "date"]
-    assert set(required) <= set(df.columns)
-    assert len(df) == 4 and set(df.engine) == {"hf", "naive"}
+    assert set(required) <= set(df.columns) and df.columns.is_unique
+    assert not any(c.startswith("Unnamed") for c in df.columns)
+    assert sorted(zip(df.engine, df.batch_size, strict=True)) == \
+        [("hf", 1), ("hf", 2), ("naive", 1), ("naive", 2)]
+    settings = {"chapter": "01", "model": "tiny", "device": "cpu", "dtype": "float32",
+                "prompt_len": 8, "new_tokens": 4, "repeats": 2}
+    assert {k: df[k].unique().tolist() for k in settings} == {k: [v] for k, v in settings.items()}
+    assert df[required].notna().all().all()
+    assert (df[["tok_s", "step_ms", "ttft_ms", "tpot_ms", "pct_of_hf"]] > 0).all().all()
     assert df[df.engine == "hf"].pct_of_hf.tolist() == pytest.approx([100, 100])
     assert (df.pct_of_hf_min <= df.pct_of_hf).all() and (df.pct_of_hf <= df.pct_of_hf_max).all()
-    assert (df.tok_s > 0).all() and (df.new_tokens == 4).all()

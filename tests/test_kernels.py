@@ -3,7 +3,8 @@
 Each case stores random K/V for a few requests into a paged cache through shuffled block tables
 and compares the kernels with a naive float64 softmax(QK^T)V over the dense K/V. Cache slots
 that were never written, including the padding of the block tables, are NaN, so a kernel that
-reads past a context length fails loudly.
+reads past a context length fails loudly. Every other case uses a softmax scale that is not
+``head_dim ** -0.5`` (SDPA's default), so a backend that drops ``scale`` fails half the sweep.
 
 Backends the device cannot run are skipped in-process. On a CPU the Triton kernel runs in its
 interpreter, which must be switched on before the kernel is imported, so
@@ -37,6 +38,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONTEXT_LENS = (1, 15, 16, 17, 33, 100)  # inside, at and just past block boundaries
 NUM_KV_HEADS = 2
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+# Softmax scale of case i: head_dim ** -0.5 times SCALE_FACTORS[i % 2]. Models whose scale is
+# not the default exist (Gemma's query_pre_attn_scalar, muP's 1 / head_dim).
+SCALE_FACTORS = (1.0, 0.3)
 # (block size, GQA group, head dim, dtype); 256 is the smallest block flash-attn accepts.
 SHAPES = [(block_size, group, head_dim, dtype)
           for block_size in (16, 32) for group in (1, 3, 4, 7) for head_dim in (64, 128)
@@ -67,7 +71,8 @@ class PagedCase:
 
 
 def make_case(seed: int, context_lens: list[int], q_lens: list[int], block_size: int,
-              group: int, head_dim: int, dtype: torch.dtype) -> PagedCase:
+              group: int, head_dim: int, dtype: torch.dtype,
+              scale_factor: float = 1.0) -> PagedCase:
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in context_lens]
     # One spare block is never written: it stays NaN and is what the table padding points at.
@@ -99,17 +104,19 @@ def make_case(seed: int, context_lens: list[int], q_lens: list[int], block_size:
     return PagedCase(q.to(**to_device), cu_seqlens_q.to(**to_device), k_cache.to(**to_device),
                      v_cache.to(**to_device), block_tables.to(**to_device),
                      torch.tensor(context_lens, dtype=torch.int32, device=DEVICE),
-                     dense_k, dense_v, head_dim**-0.5)
+                     dense_k, dense_v, head_dim**-0.5 * scale_factor)
 
 
 def sweep_case(index: int, shape: tuple, prefill: bool) -> PagedCase:
     """Case ``index`` of the sweep: batch 1..5, context lens cycling through CONTEXT_LENS; with
-    ``prefill``, query counts cycle through a whole prompt, a decode and half a prompt."""
+    ``prefill``, query counts cycle through a whole prompt, a decode and half a prompt; the
+    softmax scale alternates between the default and another one."""
     block_size, group, head_dim, dtype = shape
     batch = 1 + index % 5
     context_lens = [CONTEXT_LENS[(index + j) % len(CONTEXT_LENS)] for j in range(batch)]
     q_lens = [(n, 1, (n + 1) // 2)[j % 3] if prefill else 1 for j, n in enumerate(context_lens)]
-    return make_case(index, context_lens, q_lens, block_size, group, head_dim, dtype)
+    return make_case(index, context_lens, q_lens, block_size, group, head_dim, dtype,
+                     SCALE_FACTORS[index % len(SCALE_FACTORS)])
 
 
 def naive_attention(case: PagedCase) -> torch.Tensor:
@@ -270,13 +277,22 @@ def test_triton_cases_in_subprocess():
 
 
 def test_triton_interpreter_runs_on_cpu_tensors():
-    """Run in the interpreter subprocess: the kernel really is interpreted, on CPU tensors."""
+    """Run in the interpreter subprocess: the kernel really is interpreted, on CPU tensors,
+    and gives the reference's output (decode and varlen, with a non-default scale)."""
     if not triton_attention.INTERPRETED:
         pytest.skip("needs TRITON_INTERPRET=1 at import (see test_triton_cases_in_subprocess)")
-    case = sweep_case(0, (16, 3, 64, torch.float32), prefill=False)
-    out = triton_attention.paged_decode_attention(case.q.cpu(), case.k_cache.cpu(),
-                                                  case.v_cache.cpu(), case.block_tables.cpu(),
-                                                  case.context_lens.cpu(), case.scale)
+    case = sweep_case(1, (16, 3, 64, torch.float32), prefill=True)
+    assert case.scale != 64**-0.5 and DEVICE.type == "cpu"
+    caches = (case.k_cache, case.v_cache)
+    out = triton_attention.paged_decode_attention(case.q[case.cu_seqlens_q[1:] - 1], *caches,
+                                                  case.block_tables, case.context_lens,
+                                                  case.scale)
+    reference = BACKENDS["torch"].decode(case.q[case.cu_seqlens_q[1:] - 1], *caches,
+                                         case.block_tables, case.context_lens, case.scale)
     assert out.device.type == "cpu"
+    assert_close(out, reference, torch.float32)
+    args = (case.q, *caches, case.cu_seqlens_q, case.block_tables, case.context_lens, case.scale)
+    assert_close(triton_attention.paged_varlen_attention(*args), BACKENDS["torch"].varlen(*args),
+                 torch.float32)
     assert available_backends("cpu") == ["triton", "torch"]
     assert get_backend("auto", "cpu").name == "torch"
