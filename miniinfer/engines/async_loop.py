@@ -26,7 +26,12 @@ This stage changes three things, one per execution loop (``loop=``):
 
 On a CPU every op has finished when it returns, so there is no queue to keep full: ``overlap``
 runs the same lagged loop (useful to test, one step of extra latency, nothing gained) and
-``cuda-graph`` falls back to it. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
+``cuda-graph`` falls back to it. It falls back there on a GPU too (with a warning) when
+attention is the torch reference: the reference's decode reads only the blocks the longest
+request uses, a bound a captured graph cannot follow, so captured it would gather the whole
+table every step. No decode step reads anything back from the device, for any backend: the
+reference gets that bound from the host (``DecodeState.max_context_len``), and sampling draws
+without a host check. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
 elsewhere. The outputs of every loop are the same tokens.
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+import warnings
 from functools import partial
 
 import torch
@@ -60,6 +66,9 @@ class DecodeState:
     block_tables: torch.Tensor  # int32 [B, W]: every block each request will use
     context_lens: torch.Tensor  # int32 [B]: tokens cached so far (+1 per step)
     rows: torch.Tensor  # int64 [B]: arange, to pick each row's block
+    # On the host: a bound on context_lens (the longest prompt + steps so far, at most the
+    # whole table), so the torch reference's decode plan never reads the lens back.
+    max_context_len: int
 
 
 class AsyncEngine(PagedAttentionEngine):
@@ -82,6 +91,13 @@ class AsyncEngine(PagedAttentionEngine):
         self.requested_loop = loop
         # What actually runs: streams and graphs are CUDA's (see the module docstring).
         self.loop = loop if cuda or loop != "cuda-graph" else "overlap"
+        if self.loop == "cuda-graph" and self.backend.plan_decode is not None:
+            # The torch reference (a GPU without a working Triton) is capture-safe only by
+            # gathering every block of the table in every step: far slower than not capturing.
+            warnings.warn(f"async: attention backend {self.backend.name!r} is not worth "
+                          f"capturing in a CUDA graph; running loop 'overlap' instead",
+                          RuntimeWarning, stacklevel=2)
+            self.loop = "overlap"
         self.graphs: dict[int, DecodeGraph] = {}
         self.graph_pool = None
 
@@ -104,6 +120,7 @@ class AsyncEngine(PagedAttentionEngine):
             batch.block_tables,
             torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device),
             torch.arange(len(prompts), device=self.device),
+            max(len(p) for p in prompts),
         )
         if self.loop == "cuda-graph" and len(prompts) <= GRAPH_BUCKETS[-1]:
             graph = self.decode_graph(len(prompts))
@@ -219,8 +236,11 @@ class AsyncEngine(PagedAttentionEngine):
         blocks = state.block_tables[state.rows, positions // block_size].long()
         slots = blocks * block_size + positions % block_size
         state.context_lens += 1  # in place, so a captured graph advances it on every replay
+        state.max_context_len = min(state.max_context_len + 1,
+                                    state.block_tables.shape[1] * block_size)
         metadata = PagedAttentionMetadata(self.layer_kv, state.block_tables, state.context_lens,
-                                          slots, self.backend)
+                                          slots, self.backend,
+                                          max_context_len=state.max_context_len)
         return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
 
     # -- CUDA graphs --------------------------------------------------------------------------
@@ -259,6 +279,9 @@ class DecodeGraph:
             torch.full((size, width), self.scratch, dtype=torch.int32, device=device),
             torch.zeros(size, dtype=torch.int32, device=device),
             torch.arange(size, device=device),
+            # A host value is baked into the graph, so it must hold for every replay: the
+            # whole table (only the torch reference reads it, and it is never captured).
+            width * block_size,
         )
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         # Warm up on a side stream first (kernel compilation, cuBLAS workspaces), as

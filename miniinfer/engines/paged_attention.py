@@ -66,6 +66,8 @@ class PagedAttentionMetadata:
     backend: AttentionBackend
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B + 1]; None: one new token per request
     max_seqlen_q: int = 1
+    # A bound on context_lens known on the host (None: a plan that needs one reads it back).
+    max_context_len: int | None = None
     decode_run: DecodeFn | None = None  # the backend's decode plan, made by the first layer
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,7 +95,7 @@ class PagedAttentionMetadata:
                                   scale)
         if self.decode_run is None:
             self.decode_run = backend.plan_decode(self.block_tables, self.context_lens,
-                                                  k_cache.shape[1])
+                                                  k_cache.shape[1], self.max_context_len)
         return self.decode_run(q, k_cache, v_cache, scale)
 
 

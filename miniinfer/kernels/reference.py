@@ -57,11 +57,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 class DecodePlan:
     """:func:`paged_decode_attention` for one set of block tables and context lens, with the
     work that does not depend on the layer done once, here: calling the plan with a layer's
-    ``q``, ``k_cache``, ``v_cache`` and ``scale`` gives that function's result."""
+    ``q``, ``k_cache``, ``v_cache`` and ``scale`` gives that function's result.
+
+    ``max_context_len``: a bound on the context lens that the caller knows on the host (see
+    :class:`BlockGather`); with it, planning and running read nothing back from the device,
+    which a CUDA graph capture and chapter 07's overlapped loop need."""
 
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int) -> None:
-        self.gather = BlockGather(block_tables, context_lens, block_size)
+                 block_size: int, max_context_len: int | None = None) -> None:
+        self.gather = BlockGather(block_tables, context_lens, block_size, max_context_len)
         # The query is the last cached token: it sees exactly its context. Additive, so the
         # attention does not convert a boolean mask again in every layer.
         in_context = self.gather.in_context[:, None, None, :]  # [batch, 1, 1, context]
@@ -95,20 +99,24 @@ class BlockGather:
     """
 
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int) -> None:
+                 block_size: int, max_context_len: int | None = None) -> None:
         # Tables are sized for the longest request the engine allows; read only the blocks
-        # the longest request in this batch uses.
-        max_blocks = -(-int(context_lens.max()) // block_size)
+        # the longest request in this batch uses. Without a bound from the caller that length
+        # is read back from the device (a sync); a bound past the table means the whole table.
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        max_blocks = min(-(-max_context_len // block_size), block_tables.shape[1])
         self.blocks = block_tables[:, :max_blocks].flatten().long()
         positions = torch.arange(max_blocks * block_size, device=context_lens.device)
         self.in_context = positions < context_lens[:, None]  # [batch, context]
-        self.stale = (~self.in_context).flatten().nonzero().squeeze(1)
+        # A mask, not the indices of the stale rows: nonzero() would read its size back.
+        self.stale = ~self.in_context.view(-1, 1, 1)
 
     def __call__(self, cache: torch.Tensor) -> torch.Tensor:
         batch, context = self.in_context.shape
         num_kv_heads, head_dim = cache.shape[2:]
         dense = torch.index_select(cache, 0, self.blocks).view(-1, num_kv_heads, head_dim)
-        dense.index_fill_(0, self.stale, 0.0)
+        dense.masked_fill_(self.stale, 0.0)
         return dense.view(batch, context, num_kv_heads, head_dim).transpose(1, 2).float()
 
 
