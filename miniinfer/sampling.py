@@ -70,9 +70,10 @@ def sample(
 
     Sampling is an exponential race: each token draws ``E ~ Exp(1)`` and the smallest
     ``E / p`` wins, which picks token ``i`` with probability ``p_i`` (the Gumbel-max trick in
-    another form). Unlike ``torch.multinomial``, which checks its input on the host, it is
-    device ops only, so a decode step that samples never waits for the device. The noise
-    comes from ``generator``: a seeded run repeats."""
+    another form). It is what ``torch.multinomial`` computes for one sample, from the same
+    generator (so a seed draws the tokens it drew with it), minus multinomial's check of its
+    input on the host: device ops only, so a decode step that samples never waits for the
+    device."""
     if params.greedy:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)

@@ -37,14 +37,15 @@ elsewhere. The outputs of every loop are the same tokens.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-import warnings
 from functools import partial
 
 import torch
 
 from ..errors import UnknownNameError
+from ..kernels import AttentionBackend
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..ranges import READ_TOKENS, phase
@@ -71,6 +72,29 @@ class DecodeState:
     max_context_len: int
 
 
+def choose_loop(loop: str, device: torch.device, backend: AttentionBackend) -> tuple[str, str]:
+    """The loop asked for (``auto`` resolved) and the loop that runs on ``device`` with this
+    attention backend (see the module docstring)."""
+    cuda = device.type == "cuda"
+    if loop == "auto":
+        loop = "cuda-graph" if cuda else "sync"
+    if loop not in LOOPS:
+        raise UnknownNameError(f"unknown loop {loop!r} for engine 'async'; loops: "
+                               f"{', '.join(LOOPS)} (or auto)")
+    if loop != "cuda-graph":
+        return loop, loop
+    if not cuda:  # streams and graphs are CUDA's
+        return loop, "overlap"
+    if backend.plan_decode is not None:
+        # The torch reference (a GPU without a working Triton) is capture-safe only by
+        # gathering every block of the table in every step: far slower than not capturing.
+        warnings.warn(f"async: attention backend {backend.name!r} is not worth capturing in a "
+                      f"CUDA graph; running loop 'overlap' instead", RuntimeWarning,
+                      stacklevel=3)
+        return loop, "overlap"
+    return loop, loop
+
+
 class AsyncEngine(PagedAttentionEngine):
     name = "async"
     chapter = "07"
@@ -82,22 +106,7 @@ class AsyncEngine(PagedAttentionEngine):
     def __init__(self, lm: LoadedModel, loop: str = "auto", attention_backend: str | None = None,
                  **kv_options: int | None) -> None:
         super().__init__(lm, attention_backend, **kv_options)
-        cuda = self.device.type == "cuda"
-        if loop == "auto":
-            loop = "cuda-graph" if cuda else "sync"
-        if loop not in LOOPS:
-            raise UnknownNameError(f"unknown loop {loop!r} for engine 'async'; loops: "
-                                   f"{', '.join(LOOPS)} (or auto)")
-        self.requested_loop = loop
-        # What actually runs: streams and graphs are CUDA's (see the module docstring).
-        self.loop = loop if cuda or loop != "cuda-graph" else "overlap"
-        if self.loop == "cuda-graph" and self.backend.plan_decode is not None:
-            # The torch reference (a GPU without a working Triton) is capture-safe only by
-            # gathering every block of the table in every step: far slower than not capturing.
-            warnings.warn(f"async: attention backend {self.backend.name!r} is not worth "
-                          f"capturing in a CUDA graph; running loop 'overlap' instead",
-                          RuntimeWarning, stacklevel=2)
-            self.loop = "overlap"
+        self.requested_loop, self.loop = choose_loop(loop, self.device, self.backend)
         self.graphs: dict[int, DecodeGraph] = {}
         self.graph_pool = None
 
@@ -272,17 +281,8 @@ class DecodeGraph:
 
     def __init__(self, engine: AsyncEngine, size: int) -> None:
         device = engine.device
-        block_size = engine.kv_cache.block_size
         self.scratch = engine.kv_cache.block_manager.block_tables[SCRATCH_REQUEST][0]
-        width = blocks_for(engine.lm.max_context, block_size)
-        self.state = DecodeState(
-            torch.full((size, width), self.scratch, dtype=torch.int32, device=device),
-            torch.zeros(size, dtype=torch.int32, device=device),
-            torch.arange(size, device=device),
-            # A host value is baked into the graph, so it must hold for every replay: the
-            # whole table (only the torch reference reads it, and it is never captured).
-            width * block_size,
-        )
+        self.state = graph_state(engine, size, self.scratch)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         # Warm up on a side stream first (kernel compilation, cuBLAS workspaces), as
         # torch.cuda.graph asks; these steps only touch the scratch block.
@@ -311,3 +311,19 @@ class DecodeGraph:
         self.tokens[: self.batch_size] = tokens
         self.graph.replay()
         return self.logits[: self.batch_size]
+
+
+def graph_state(engine: AsyncEngine, size: int, scratch: int) -> DecodeState:
+    """The static decode state a graph of ``size`` rows is captured over: tables as wide as
+    the longest context the model allows, every entry the scratch block until a batch loads."""
+    device = engine.device
+    block_size = engine.kv_cache.block_size
+    width = blocks_for(engine.lm.max_context, block_size)
+    return DecodeState(
+        torch.full((size, width), scratch, dtype=torch.int32, device=device),
+        torch.zeros(size, dtype=torch.int32, device=device),
+        torch.arange(size, device=device),
+        # A host value is baked into the graph, so it must hold for every replay: the whole
+        # table (only the torch reference reads it, and it is never captured).
+        width * block_size,
+    )

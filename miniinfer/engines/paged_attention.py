@@ -42,7 +42,14 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..errors import MiniInferError, UnknownNameError
-from ..kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
+from ..kernels import (
+    BACKENDS,
+    AttentionBackend,
+    DecodeFn,
+    available_backends,
+    get_backend,
+    triton_attention,
+)
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..ranges import phase
@@ -191,6 +198,10 @@ class PagedAttentionEngine(PagedLoopEngine):
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
         # Each layer's K and V views of the pool, made once rather than in every forward.
         self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
+        if "triton" in (self.backend.name, self.prefill_backend.name) and \
+                self.device.type == "cuda":
+            # Every tile size compiled now: a JIT compile (1-3 s) must not land in a timed run.
+            triton_attention.warm_up(*self.layer_kv[0], lm.config.num_attention_heads, lm.dtype)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         with attn_implementation(self.model, ATTN_IMPLEMENTATION):
