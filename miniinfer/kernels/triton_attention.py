@@ -47,15 +47,7 @@ if triton is not None:
             b = b.to(tl.float32)
         return tl.dot(a, b, input_precision=PRECISION)
 
-    # The block tables, context lens and cu_seqlens of chapter 08's steps are slices of one
-    # staged buffer at offsets that change every step, and the table width (its row stride) is
-    # sometimes 1. Triton would otherwise compile one variant per pointer alignment and per
-    # "stride == 1 / stride % 16 == 0" case (14-16 variants in one chapter 08 run, a JIT compile
-    # of 1-3 s each inside timed runs); these metadata loads are a few scalars per program, so
-    # specialising them buys nothing.
-    @triton.jit(do_not_specialize=["stride_block_tables"],
-                do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
-                                                "cu_seqlens_q_ptr"])
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
         cu_seqlens_q_ptr, scale,
@@ -129,6 +121,18 @@ if triton is not None:
         tl.store(out_ptr + (q_start + token)[:, None] * stride_out_token
                  + head[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+
+    # The block tables, context lens and cu_seqlens of chapter 08's steps are slices of one
+    # staged buffer at offsets that change every step, and the table width (its row stride) is
+    # sometimes 1. By default Triton compiles one variant per pointer alignment and per
+    # "stride == 1 / stride % 16 == 0" case (14-16 variants in one chapter 08 run, a JIT compile
+    # of 1-3 s each inside timed runs); these loads are a few scalars per program, so
+    # specialising on them buys nothing. (Jitted again rather than given these options in the
+    # decorator above, to keep the kernel's header short where chapter 06 prints it.)
+    _paged_attention_kernel = triton.jit(
+        _paged_attention_kernel.fn, do_not_specialize=["stride_block_tables"],
+        do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
+                                        "cu_seqlens_q_ptr"])
 
     # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
     INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
