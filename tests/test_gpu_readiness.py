@@ -451,3 +451,19 @@ def test_repro_plan_fits_one_h100(capsys):
     assert "smollm2-135m float32" in out
     assert main(["repro", "all", "--dry-run", "--chapters", "42"]) == 2
     assert main(["repro", "01", "--dry-run"]) == 2
+
+
+def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
+    # A second Qwen2.5-7B would hold 15 GB more while the notebook's kernel loads its own.
+    from miniinfer import repro
+    from miniinfer.bench import BenchConfig
+
+    loads = []
+    monkeypatch.setattr(repro, "load_model", lambda name, device: loads.append(name) or tiny)
+    monkeypatch.setattr(repro, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(repro, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(repro, "default_workload", lambda device: (
+        "tiny", BenchConfig(batch_sizes=(1,), prompt_len=8, new_tokens=3, warmup=0, repeat=1)))
+    bench, timeline = repro.run_chapter07("cpu")
+    assert loads == ["tiny"]
+    assert bench.is_file() and timeline.is_file()
