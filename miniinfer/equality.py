@@ -25,7 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
+from .engines import make_engine
 from .models import RANDOM_WEIGHT_SEED, LoadedModel, load_model
+from .sampling import SamplingParams
 
 EXACT_DTYPE = torch.float32
 # Layers of the fp32 stand-in for a big random-weight model: enough for attention and the MLP
@@ -112,11 +114,10 @@ def check_greedy(lm: LoadedModel, prompts: Sequence[Sequence[int]],
     return [compare_greedy(model, prompts, *run(model), what=what) for model in models]
 
 
-def check_engines(lm: LoadedModel, engine: str, prompts: Sequence[Sequence[int]], params,
-                  reference: str = "hf", one_by_one: bool = False) -> list[str]:
+def check_engines(lm: LoadedModel, engine: str, prompts: Sequence[Sequence[int]],
+                  params: SamplingParams, reference: str = "hf", one_by_one: bool = False) -> list[str]:
     """:func:`check_greedy` for two named engines on the whole batch (and, with
     ``one_by_one``, on each prompt alone)."""
-    from .engines import make_engine
 
     def run(model: LoadedModel) -> tuple[Tokens, Tokens]:
         ours, theirs = make_engine(engine, model), make_engine(reference, model)

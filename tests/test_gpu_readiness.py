@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from miniinfer import SamplingParams, make_engine
 from miniinfer.engines import async_loop
 from miniinfer.equality import EXACT_LAYERS, check_engines, compare_greedy, equality_model
-from miniinfer.kernels import BACKENDS, flash, get_backend, triton_attention
+from miniinfer.kernels import BACKENDS, flash, get_backend, reference, triton_attention
 from miniinfer.kv_cache import DEFAULT_BLOCK_SIZE
 from miniinfer.sampling import make_generator, sample
 
@@ -135,7 +135,9 @@ class KernelStub:
 
 @pytest.fixture
 def backend_stubs(monkeypatch):
-    """Triton and flash-attn made "available" on this CPU, their device code replaced."""
+    """Triton and flash-attn made "available" on this CPU, their device code replaced; the
+    torch reference takes the path it takes on CUDA (masking, not listing, stale positions)."""
+    monkeypatch.setattr(reference, "MASK_STALE_ON", {"cpu", "cuda"})
     stub = KernelStub()
     monkeypatch.setattr(triton_attention, "_paged_attention_kernel", stub)
     monkeypatch.setattr(triton_attention, "unavailable_reason", lambda *args: None)
@@ -192,7 +194,7 @@ def test_graph_captured_function_reads_nothing_from_the_device(tiny, backend_stu
     assert logits.shape == (4, tiny.config.vocab_size)
 
 
-def test_the_reference_decode_reads_the_device_without_a_bound(tiny):
+def test_the_reference_decode_reads_the_device_without_a_bound(tiny, backend_stubs):
     # The check above is not vacuous: the paged-attention engine's own decode plan (no host
     # bound) does read the context lens back.
     engine = make_engine("async:overlap", tiny, attention_backend="torch")
@@ -204,6 +206,27 @@ def test_the_reference_decode_reads_the_device_without_a_bound(tiny):
     with torch.inference_mode(), pytest.raises(HostReadError, match="host read"), \
             no_host_reads():
         engine.model_forward(inputs, metadata)
+
+
+def test_reference_masks_stale_positions_as_it_lists_them(monkeypatch):
+    # CUDA's path (a mask, no host read) gives what the CPU's (listing stale rows) gives, with
+    # every never-written slot NaN and a bound past the longest context.
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.full((9, 16, 2, 16), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    tables = torch.tensor([[1, 2, 3], [4, 0, 0], [5, 6, 0]], dtype=torch.int32)
+    lens = torch.tensor([40, 3, 17], dtype=torch.int32)
+    for row, n in enumerate(lens.tolist()):
+        for t in range(n):
+            block, slot = int(tables[row, t // 16]), t % 16
+            k_cache[block, slot] = torch.randn(2, 16, generator=gen)
+            v_cache[block, slot] = torch.randn(2, 16, generator=gen)
+    q = torch.randn(3, 4, 16, generator=gen)
+    listed = reference.DecodePlan(tables, lens, 16)(q, k_cache, v_cache, 0.25)
+    monkeypatch.setattr(reference, "MASK_STALE_ON", {"cpu"})
+    masked = reference.DecodePlan(tables, lens, 16, max_context_len=48)(q, k_cache, v_cache, 0.25)
+    assert not listed.isnan().any()
+    torch.testing.assert_close(masked, listed)
 
 
 def test_cuda_graph_loop_with_the_torch_reference_falls_back_to_overlap():

@@ -29,9 +29,9 @@ runs the same lagged loop (useful to test, one step of extra latency, nothing ga
 ``cuda-graph`` falls back to it. It falls back there on a GPU too (with a warning) when
 attention is the torch reference: the reference's decode reads only the blocks the longest
 request uses, a bound a captured graph cannot follow, so captured it would gather the whole
-table every step. No decode step reads anything back from the device, for any backend: the
-reference gets that bound from the host (``DecodeState.max_context_len``), and sampling draws
-without a host check. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
+table every step. On CUDA no decode step reads anything back from the device, for any
+backend: the reference gets that bound from the host (``DecodeState.max_context_len``) and
+masks the positions past each context, and sampling draws without a host check. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
 elsewhere. The outputs of every loop are the same tokens.
 """
 
