@@ -238,9 +238,16 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_repro(args: argparse.Namespace) -> None:
-    from .repro import reproduce
+    from .repro import reproduce, reproduce_all
 
-    reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
+    if args.chapter == "all":
+        chapters = args.chapters.split(",") if args.chapters else None
+        reproduce_all(chapters, device=args.device, execute_notebooks=not args.no_notebook,
+                      dry_run=args.dry_run)
+    elif args.chapters or args.dry_run:
+        raise MiniInferError("--chapters and --dry-run go with 'repro all'")
+    else:
+        reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
 
 
 def cmd_results(args: argparse.Namespace) -> None:
@@ -314,10 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("results", help="recorded results as markdown tables").set_defaults(
         func=cmd_results)
 
-    repro = sub.add_parser("repro", help="rerun a chapter's benchmark here and re-execute its notebook")
-    repro.add_argument("chapter", help="chapter number, e.g. 01")
+    repro = sub.add_parser("repro", help="rerun a chapter's benchmark here and re-execute its "
+                                         "notebook; 'all': every chapter in order")
+    repro.add_argument("chapter", help="chapter number, e.g. 01, or 'all'")
     repro.add_argument("--device", default="auto")
-    repro.add_argument("--no-notebook", action="store_true", help="skip re-executing the notebook")
+    repro.add_argument("--no-notebook", action="store_true",
+                       help="skip re-executing the notebooks (automatic without jupyter)")
+    repro.add_argument("--chapters", help="with 'all': only these, e.g. 05,06")
+    repro.add_argument("--dry-run", action="store_true",
+                       help="with 'all': print each chapter's plan and estimated time, run nothing")
     repro.set_defaults(func=cmd_repro)
     return parser
 

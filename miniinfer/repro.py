@@ -1,14 +1,23 @@
 """What ``make chapter-NN`` runs: the chapter's benchmark on this machine, written to
-``data/results/chNN/<device-slug>.csv``, then the notebook re-executed in place.
+``data/results/chNN/<device-slug>.csv``, then the notebook re-executed in place; and what
+``python -m miniinfer repro all`` runs: every chapter's recording in order.
 
 Defaults follow the device: on CUDA the reference posts' model (random-weight Qwen2.5-7B, bf16),
 on CPU the real SmolLM2-135M in fp32.
+
+Each chapter declares what it records (:class:`ChapterRun`: ``record``, by default the offline
+benchmark of its ``engines``) and what that costs (``plan``: model, dtype, engines, batch
+sizes, tokens, repeats and an estimated time, printed by ``repro all --dry-run`` without running
+anything). A new chapter is one more entry in :data:`CHAPTERS`.
 """
 
 from __future__ import annotations
 
+import gc
+import math
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -17,7 +26,7 @@ import torch
 from .bench import BenchConfig, run_bench, summary_table
 from .devices import REPO_ROOT, device_slug
 from .errors import UnknownNameError
-from .models import load_model, resolve_device
+from .models import MODELS, LoadedModel, load_model, resolve_device
 from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
 from .serving import summary_table as serving_summary_table
 
@@ -26,10 +35,30 @@ CHAPTERS_DIR = REPO_ROOT / "chapters"
 
 
 @dataclass(frozen=True, slots=True)
+class ChapterPlan:
+    """What recording a chapter runs on a device, and about how long it takes."""
+
+    model: str
+    dtype: str
+    engines: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    tokens: str  # prompt and output lengths, in words
+    repeats: int
+    estimate_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class ChapterRun:
+    """A chapter's notebook and recording. ``record(device)`` writes its results (None: the
+    offline benchmark of ``engines_for(device)``); ``plan(chapter, device)`` says what that
+    runs and estimates its time without touching the device (None: the benchmark's plan). A
+    chapter that records nothing gives a ``record`` that returns ``[]`` and a plan of 0 s."""
+
     notebook: str
     engines: tuple[str, ...]
     cuda_engines: tuple[str, ...] = ()  # added where the device is a GPU
+    record: Callable[[torch.device], list[Path]] | None = field(default=None, compare=False)
+    plan: Callable[[str, torch.device], ChapterPlan] | None = field(default=None, compare=False)
 
     def engines_for(self, device: torch.device) -> tuple[str, ...]:
         return self.engines + (self.cuda_engines if device.type == "cuda" else ())
@@ -44,24 +73,32 @@ CHAPTERS: dict[str, ChapterRun] = {
     "03": ChapterRun("03_vectorized_gather.ipynb", ("hf", *_STAGES[2:4])),
     "04": ChapterRun("04_preallocated_buffers.ipynb", ("hf", *_STAGES[2:5])),
     # Chapter 05 profiles instead of only benchmarking (see run_chapter05).
-    "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc")),
+    "05": ChapterRun("05_decode_profiling.ipynb", ("hf", "paged-prealloc"),
+                     record=lambda device: run_chapter05(device),
+                     plan=lambda chapter, device: chapter05_plan(device)),
     # Both ways into the model: HF's modules (registry) and our direct forward (the default).
     "06": ChapterRun("06_paged_attention.ipynb",
                      ("hf", *_STAGES[3:5], "paged-attention:registry", "paged-attention")),
     # Chapter 07 also profiles each loop for its timelines (see run_chapter07).
     "07": ChapterRun("07_async_streams.ipynb",
                      ("hf", "paged-attention", "async:sync", "async:overlap"),
-                     cuda_engines=("async:cuda-graph",)),
+                     cuda_engines=("async:cuda-graph",),
+                     record=lambda device: run_chapter07(device),
+                     plan=lambda chapter, device: chapter07_plan(device)),
     # Chapter 08 serves workloads online instead (see run_chapter08).
-    "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",)),
+    "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",),
+                     record=lambda device: run_chapter08(device),
+                     plan=lambda chapter, device: chapter08_plan(device)),
 }
 
 
 def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
     """Model and benchmark sizes for a chapter run on this device."""
     if device.type == "cuda":
-        return "qwen2.5-7b", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64, new_tokens=128,
-                                         warmup=2, repeat=5)
+        # GPU timings are steady: 3 repeats do. 64 new tokens keep the whole `repro all` on one
+        # H100 within 20 minutes (see COSTS and `repro all --dry-run`).
+        return "qwen2.5-7b", BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64, new_tokens=64,
+                                         warmup=1, repeat=3)
     # A shared CPU drifts by 10-30% within minutes and single paired ratios move by 5-12
     # points, so 7 repeats: enough for a median ratio and a min-max spread that mean something.
     # MINIINFER_QUICK=1 halves the decode length and keeps 3 repeats (a reader in a hurry).
@@ -75,13 +112,15 @@ def results_path(chapter: str, device: torch.device) -> Path:
     return RESULTS / f"ch{chapter}" / f"{device_slug(device)}.csv"
 
 
-def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto") -> Path:
+def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
+                      lm: LoadedModel | None = None) -> Path:
+    """The chapter's offline benchmark (on ``lm``, or the device's default model)."""
     run = CHAPTERS[chapter]
     dev = resolve_device(device)
     model, base = default_workload(dev)
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
                             "engines": run.engines_for(dev), "chapter": chapter})
-    lm = load_model(model, device=dev)
+    lm = lm or load_model(model, device=dev)
     df = run_bench(lm, config)
     print(summary_table(df).to_string(index=False))
     out = results_path(chapter, dev)
@@ -102,7 +141,7 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     lm = load_model(model, device=dev)
     slug = device_slug(dev)
     out_dir = RESULTS / "ch05"
-    steps = 20 if dev.type == "cuda" else 6
+    steps = chapter05_profile_steps(dev)
     prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
                           trace_prefix=f"{slug}-")
     prealloc = make_engine("paged-prealloc", lm)
@@ -133,9 +172,9 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     from .profiling import profile_decode, timeline
 
     dev = resolve_device(device)
-    bench_path = run_chapter_bench("07", dev)
     model, base = default_workload(dev)
-    lm = load_model(model, device=dev)
+    lm = load_model(model, device=dev)  # once: a second 7B would hold 15 GB more
+    bench_path = run_chapter_bench("07", dev, lm)
     prompts = make_prompts(lm, 8, base.prompt_len)
     bars = []
     for name in CHAPTERS["07"].engines_for(dev):
@@ -156,7 +195,7 @@ def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBen
     """Model and the three serving experiments of chapter 08 on this device:
 
     - ``target``: the issue's comparison, every system on the same offline workload (32
-      requests on a CPU, 256 on a GPU; prompts of 16-256 tokens, 32-128 new tokens);
+      requests on a CPU, 128 on a GPU; prompts of 16-256 tokens, 32-128 new tokens);
     - ``budget``: continuous batching at several token budgets, on a smaller workload arriving
       online (the chunked-prefill trade-off; each budget one point of the wde post's
       throughput-latency curve);
@@ -164,18 +203,20 @@ def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBen
     """
     static = ("static-paged-attention", "static-hf")
     if device.type == "cuda":
-        # 256 requests of up to 384 tokens of Qwen2.5-7B K/V (56 KiB a token) need 5.3 GiB at
-        # once: a pool of 8 GiB serves them without preemption, as transformers' would.
-        target = WorkloadConfig(num_requests=256)
+        # 128 requests of up to 384 tokens of Qwen2.5-7B K/V (56 KiB a token) need 2.7 GiB at
+        # once: a pool of 8 GiB serves them without preemption, as transformers' would. Sized
+        # so the chapter takes about 4 minutes on one H100 (static batching by 8 dominates);
+        # the online experiments get 32 requests, a few seconds of arrivals each.
+        target = WorkloadConfig(num_requests=128)
         kv = 8 << 30
         return "qwen2.5-7b", {
             "target": ServingBenchConfig(target, ("continuous", *static, "hf-cb"),
                                          max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
-            "budget": ServingBenchConfig(replace(target, num_requests=128, request_rate=8.0),
+            "budget": ServingBenchConfig(replace(target, num_requests=32, request_rate=8.0),
                                          ("continuous",),
                                          max_num_batched_tokens=(256, 512, 1024, 2048, 4096),
                                          kv_cache_bytes=kv),
-            "rate": ServingBenchConfig(replace(target, num_requests=128),
+            "rate": ServingBenchConfig(replace(target, num_requests=32),
                                        ("continuous", "static-paged-attention", "hf-cb"),
                                        request_rates=(4.0, 8.0, 16.0),
                                        max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
@@ -241,17 +282,195 @@ def execute_notebook(chapter: str) -> None:
 
 
 def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: bool = True) -> None:
+    chapter = check_chapter(chapter)
+    run = CHAPTERS[chapter]
+    dev = resolve_device(device)
+    if run.record is None:
+        run_chapter_bench(chapter, dev)
+    else:
+        run.record(dev)
+    # The chapter's model is garbage by now: give its memory back before the notebook's kernel
+    # (or the next chapter) loads one of its own.
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    if execute_notebook_too:
+        execute_notebook(chapter)
+
+
+def check_chapter(chapter: str) -> str:
     given = chapter.strip()
     chapter = given.zfill(2) if given.isdigit() else given  # "1" is chapter 01, "" none
     if chapter not in CHAPTERS:
         raise UnknownNameError(f"unknown chapter {given!r}; chapters: {', '.join(CHAPTERS)}")
-    if chapter == "05":
-        run_chapter05(device)
-    elif chapter == "07":
-        run_chapter07(device)
-    elif chapter == "08":
-        run_chapter08(device)
-    else:
-        run_chapter_bench(chapter, device)
-    if execute_notebook_too:
-        execute_notebook(chapter)
+    return chapter
+
+
+def reproduce_all(chapters: list[str] | None = None, device: str | None = "auto",
+                  execute_notebooks: bool = True, dry_run: bool = False) -> list[ChapterPlan]:
+    """Every chapter's recording (or those in ``chapters``), in order, into data/results/.
+    Notebooks are re-executed after their chapter where jupyter is installed (a headless
+    machine only records; the notebooks can run later anywhere from the CSVs). ``dry_run``:
+    run nothing, print each chapter's plan and the estimated total."""
+    selected = [check_chapter(c) for c in chapters] if chapters else list(CHAPTERS)
+    # Planning never touches the device: `--dry-run --device cuda` works on a CPU machine.
+    dev = resolve_device(device) if not dry_run or device in (None, "auto") \
+        else torch.device(device)
+    plans = [plan_chapter(c, dev) for c in selected]
+    print(plan_table(selected, plans, dev))
+    if dry_run:
+        return plans
+    for chapter in selected:
+        print(f"== chapter {chapter} ==", flush=True)
+        reproduce(chapter, dev, execute_notebook_too=execute_notebooks)
+    return plans
+
+
+def plan_chapter(chapter: str, device: torch.device) -> ChapterPlan:
+    run = CHAPTERS[chapter]
+    if run.plan is not None:
+        return run.plan(chapter, device)
+    model, config = default_workload(device)
+    return bench_plan(model, device, replace(config, engines=run.engines_for(device)))
+
+
+def plan_table(chapters: list[str], plans: list[ChapterPlan], device: torch.device) -> str:
+    """Two lines a chapter, then the total."""
+    lines = [f"repro on {device} ({device_costs(device).basis}):"]
+    for chapter, p in zip(chapters, plans, strict=True):
+        batches = ",".join(map(str, p.batch_sizes))
+        lines.append(f"  {chapter}  ~{p.estimate_s / 60:4.1f} min  {p.model} {p.dtype}  "
+                     f"batch {batches}  {p.tokens}  {p.repeats} repeat(s)")
+        lines.append(f"      engines: {', '.join(p.engines)}")
+    total = sum(p.estimate_s for p in plans) / 60
+    lines.append(f"estimated total: {total:.1f} min for {len(plans)} chapter(s) "
+                 f"(recordings only; notebooks not counted)")
+    return "\n".join(lines)
+
+
+# -- estimates ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DeviceCosts:
+    """A rough cost model of one device for the default model, for planning: seconds per
+    decode step (``step_s + row_s * batch``, times the engine's factor), per prompt token of
+    prefill, per model load, and output tokens/s of each serving system."""
+
+    basis: str
+    load_s: float
+    step_s: float
+    row_s: float
+    prefill_token_s: float
+    engine_factor: dict[str, float]
+    serving_tok_s: dict[str, float]
+
+    def step(self, engine: str, batch_size: int) -> float:
+        factor = self.engine_factor.get(engine, self.engine_factor.get(engine.split(":")[0], 1))
+        return (self.step_s + self.row_s * batch_size) * factor
+
+
+COSTS = {
+    # Fitted to the recorded CPU tables (shared 2-core EPYC, SmolLM2 fp32): hf at 21 tok/s at
+    # batch 1 and ~100 at batch 8, prefill ~1.5 ms a token; chapter 08's target run.
+    "cpu": DeviceCosts(
+        "estimates fitted to the recorded runs on a 2-core CPU", load_s=5, step_s=0.044,
+        row_s=0.0045, prefill_token_s=0.0015,
+        engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1},
+        serving_tok_s={"continuous": 114, "static-paged-attention": 64, "static-hf": 48,
+                       "hf-cb": 67}),
+    # One H100 with Qwen2.5-7B bf16 (15 GB of weights: 4.5 ms a step at 3.35 TB/s), eager
+    # engines bound by the host's kernel launches. Assumed, not measured yet: the first GPU
+    # run's CSVs should replace these.
+    "cuda": DeviceCosts(
+        "assumed for one H100 and Qwen2.5-7B bf16, not yet measured", load_s=15,
+        step_s=0.030, row_s=0.0002, prefill_token_s=0.00005,
+        engine_factor={"paged-loop": 3.0, "paged-vectorized": 1.2, "paged-attention": 0.8,
+                       "async:sync": 0.7, "async:overlap": 0.5, "async:cuda-graph": 0.25},
+        serving_tok_s={"continuous": 2000, "static-paged-attention": 320, "static-hf": 260,
+                       "hf-cb": 800}),
+}
+
+
+def device_costs(device: torch.device) -> DeviceCosts:
+    return COSTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def dtype_name(model: str) -> str:
+    return str(MODELS[model].default_dtype).removeprefix("torch.")
+
+
+def bench_seconds(config: BenchConfig, device: torch.device,
+                  engines: tuple[str, ...] | None = None) -> float:
+    """Every engine at every batch size, warm-up runs included."""
+    costs = device_costs(device)
+    runs = config.warmup + config.repeat
+    return sum(runs * (costs.prefill_token_s * batch * config.prompt_len
+                       + config.new_tokens * costs.step(engine, batch))
+               for engine in engines or config.engines for batch in config.batch_sizes)
+
+
+def bench_plan(model: str, device: torch.device, config: BenchConfig) -> ChapterPlan:
+    seconds = device_costs(device).load_s + bench_seconds(config, device)
+    return ChapterPlan(model, dtype_name(model), config.engines, config.batch_sizes,
+                       f"prompt {config.prompt_len} + {config.new_tokens} new",
+                       config.repeat, seconds)
+
+
+def profile_seconds(device: torch.device, engine: str, batch_sizes: tuple[int, ...],
+                    prompt_len: int, steps: int) -> float:
+    """Profiled decode steps; the profiler and the trace export about triple their cost."""
+    costs = device_costs(device)
+    return 3 * sum(costs.prefill_token_s * b * prompt_len + steps * costs.step(engine, b)
+                   for b in batch_sizes)
+
+
+def chapter05_plan(device: torch.device) -> ChapterPlan:
+    model, base = default_workload(device)
+    engines = ("hf", "paged-prealloc", "paged-prealloc/ranges-off")
+    steps = chapter05_profile_steps(device) + 2  # the warm-up steps are in the trace too
+    seconds = (device_costs(device).load_s + bench_seconds(base, device, engines)
+               + sum(profile_seconds(device, e, base.batch_sizes, base.prompt_len, steps)
+                     for e in ("paged-prealloc", "paged-loop")))
+    return ChapterPlan(model, dtype_name(model), engines, base.batch_sizes,
+                       f"prompt {base.prompt_len} + {base.new_tokens} new; "
+                       f"{steps} profiled steps", base.repeat, seconds)
+
+
+def chapter05_profile_steps(device: torch.device) -> int:
+    return 20 if device.type == "cuda" else 6
+
+
+def chapter07_plan(device: torch.device) -> ChapterPlan:
+    model, base = default_workload(device)
+    engines = CHAPTERS["07"].engines_for(device)
+    config = replace(base, engines=engines)
+    loops = [e for e in engines if e.startswith("async")]
+    seconds = (bench_plan(model, device, config).estimate_s
+               + sum(profile_seconds(device, e, (8,), base.prompt_len, 6) for e in loops))
+    return replace(bench_plan(model, device, config), estimate_s=seconds,
+                   tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; "
+                          f"4 profiled steps per loop")
+
+
+def chapter08_plan(device: torch.device) -> ChapterPlan:
+    model, experiments = serving_experiments(device)
+    costs = device_costs(device)
+    seconds = costs.load_s
+    systems: list[str] = []
+    for config in experiments.values():
+        w = config.workload
+        output_tokens = w.num_requests * sum(w.output_len) / 2
+        for rate in config.request_rates or (w.request_rate,):
+            span = w.num_requests / rate if math.isfinite(rate) else 0.0
+            for system in config.systems:
+                budgets = len(config.max_num_batched_tokens) \
+                    if system in ("continuous", "hf-cb") else 1
+                # Arrivals take their span; the work queues behind them (upper bound).
+                seconds += budgets * (span + output_tokens / costs.serving_tok_s[system])
+                systems += [s for s in (system,) if s not in systems]
+    target = experiments["target"].workload
+    return ChapterPlan(model, dtype_name(model), tuple(systems),
+                       tuple(c.static_batch_size for c in experiments.values())[:1],
+                       f"{target.num_requests} requests, prompts {target.prompt_len[0]}-"
+                       f"{target.prompt_len[1]}, outputs {target.output_len[0]}-"
+                       f"{target.output_len[1]}; 3 experiments", 1, seconds)

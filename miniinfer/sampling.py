@@ -100,9 +100,19 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]."""
+    """Next token ids [B] from last-position logits [B, V].
+
+    Sampling is an exponential race: each token draws ``E ~ Exp(1)`` and the smallest
+    ``E / p`` wins, which picks token ``i`` with probability ``p_i`` (the Gumbel-max trick in
+    another form). It is what ``torch.multinomial`` computes for one sample, from the same
+    generator (so a seed draws the tokens it drew with it), minus multinomial's check of its
+    input on the host: device ops only, so a decode step that samples never waits for the
+    device."""
     if params.greedy:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    # A draw of exactly 0 would divide to inf or NaN; the clamp keeps it finite (and a
+    # filtered token's probability 0 stays 0).
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

@@ -26,12 +26,18 @@ This stage changes three things, one per execution loop (``loop=``):
 
 On a CPU every op has finished when it returns, so there is no queue to keep full: ``overlap``
 runs the same lagged loop (useful to test, one step of extra latency, nothing gained) and
-``cuda-graph`` falls back to it. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
+``cuda-graph`` falls back to it. It falls back there on a GPU too (with a warning) when
+attention is the torch reference: the reference's decode reads only the blocks the longest
+request uses, a bound a captured graph cannot follow, so captured it would gather the whole
+table every step. On CUDA no decode step reads anything back from the device, for any
+backend: the reference gets that bound from the host (``DecodeState.max_context_len``) and
+masks the positions past each context, and sampling draws without a host check. ``loop="auto"`` picks ``cuda-graph`` on CUDA, ``sync``
 elsewhere. The outputs of every loop are the same tokens.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +45,7 @@ from functools import partial
 import torch
 
 from ..errors import UnknownNameError
+from ..kernels import AttentionBackend
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..ranges import READ_TOKENS, phase
@@ -60,6 +67,32 @@ class DecodeState:
     block_tables: torch.Tensor  # int32 [B, W]: every block each request will use
     context_lens: torch.Tensor  # int32 [B]: tokens cached so far (+1 per step)
     rows: torch.Tensor  # int64 [B]: arange, to pick each row's block
+    # On the host: a bound on context_lens (the longest prompt + steps so far, at most the
+    # whole table), so the torch reference's decode plan never reads the lens back.
+    max_context_len: int
+
+
+def choose_loop(loop: str, device: torch.device, backend: AttentionBackend) -> tuple[str, str]:
+    """The loop asked for (``auto`` resolved) and the loop that runs on ``device`` with this
+    attention backend (see the module docstring)."""
+    cuda = device.type == "cuda"
+    if loop == "auto":
+        loop = "cuda-graph" if cuda else "sync"
+    if loop not in LOOPS:
+        raise UnknownNameError(f"unknown loop {loop!r} for engine 'async'; loops: "
+                               f"{', '.join(LOOPS)} (or auto)")
+    if loop != "cuda-graph":
+        return loop, loop
+    if not cuda:  # streams and graphs are CUDA's
+        return loop, "overlap"
+    if backend.plan_decode is not None:
+        # The torch reference (a GPU without a working Triton) is capture-safe only by
+        # gathering every block of the table in every step: far slower than not capturing.
+        warnings.warn(f"async: attention backend {backend.name!r} is not worth capturing in a "
+                      f"CUDA graph; running loop 'overlap' instead", RuntimeWarning,
+                      stacklevel=3)
+        return loop, "overlap"
+    return loop, loop
 
 
 class AsyncEngine(PagedAttentionEngine):
@@ -73,15 +106,7 @@ class AsyncEngine(PagedAttentionEngine):
     def __init__(self, lm: LoadedModel, loop: str = "auto", attention_backend: str | None = None,
                  **kv_options: int | None) -> None:
         super().__init__(lm, attention_backend, **kv_options)
-        cuda = self.device.type == "cuda"
-        if loop == "auto":
-            loop = "cuda-graph" if cuda else "sync"
-        if loop not in LOOPS:
-            raise UnknownNameError(f"unknown loop {loop!r} for engine 'async'; loops: "
-                                   f"{', '.join(LOOPS)} (or auto)")
-        self.requested_loop = loop
-        # What actually runs: streams and graphs are CUDA's (see the module docstring).
-        self.loop = loop if cuda or loop != "cuda-graph" else "overlap"
+        self.requested_loop, self.loop = choose_loop(loop, self.device, self.backend)
         self.graphs: dict[int, DecodeGraph] = {}
         self.graph_pool = None
 
@@ -104,6 +129,7 @@ class AsyncEngine(PagedAttentionEngine):
             batch.block_tables,
             torch.tensor([len(p) for p in prompts], dtype=torch.int32, device=self.device),
             torch.arange(len(prompts), device=self.device),
+            max(len(p) for p in prompts),
         )
         if self.loop == "cuda-graph" and len(prompts) <= GRAPH_BUCKETS[-1]:
             graph = self.decode_graph(len(prompts))
@@ -219,8 +245,11 @@ class AsyncEngine(PagedAttentionEngine):
         blocks = state.block_tables[state.rows, positions // block_size].long()
         slots = blocks * block_size + positions % block_size
         state.context_lens += 1  # in place, so a captured graph advances it on every replay
+        state.max_context_len = min(state.max_context_len + 1,
+                                    state.block_tables.shape[1] * block_size)
         metadata = PagedAttentionMetadata(self.layer_kv, state.block_tables, state.context_lens,
-                                          slots, self.backend)
+                                          slots, self.backend,
+                                          max_context_len=state.max_context_len)
         return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
 
     # -- CUDA graphs --------------------------------------------------------------------------
@@ -252,14 +281,8 @@ class DecodeGraph:
 
     def __init__(self, engine: AsyncEngine, size: int) -> None:
         device = engine.device
-        block_size = engine.kv_cache.block_size
         self.scratch = engine.kv_cache.block_manager.block_tables[SCRATCH_REQUEST][0]
-        width = blocks_for(engine.lm.max_context, block_size)
-        self.state = DecodeState(
-            torch.full((size, width), self.scratch, dtype=torch.int32, device=device),
-            torch.zeros(size, dtype=torch.int32, device=device),
-            torch.arange(size, device=device),
-        )
+        self.state = graph_state(engine, size, self.scratch)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
         # Warm up on a side stream first (kernel compilation, cuBLAS workspaces), as
         # torch.cuda.graph asks; these steps only touch the scratch block.
@@ -288,3 +311,19 @@ class DecodeGraph:
         self.tokens[: self.batch_size] = tokens
         self.graph.replay()
         return self.logits[: self.batch_size]
+
+
+def graph_state(engine: AsyncEngine, size: int, scratch: int) -> DecodeState:
+    """The static decode state a graph of ``size`` rows is captured over: tables as wide as
+    the longest context the model allows, every entry the scratch block until a batch loads."""
+    device = engine.device
+    block_size = engine.kv_cache.block_size
+    width = blocks_for(engine.lm.max_context, block_size)
+    return DecodeState(
+        torch.full((size, width), scratch, dtype=torch.int32, device=device),
+        torch.zeros(size, dtype=torch.int32, device=device),
+        torch.arange(size, device=device),
+        # A host value is baked into the graph, so it must hold for every replay: the whole
+        # table (only the torch reference reads it, and it is never captured).
+        width * block_size,
+    )

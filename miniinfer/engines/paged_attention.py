@@ -42,7 +42,14 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..errors import MiniInferError, UnknownNameError
-from ..kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
+from ..kernels import (
+    BACKENDS,
+    AttentionBackend,
+    DecodeFn,
+    available_backends,
+    get_backend,
+    triton_attention,
+)
 from ..kv_cache import blocks_for
 from ..models import LoadedModel
 from ..ranges import phase
@@ -66,6 +73,8 @@ class PagedAttentionMetadata:
     backend: AttentionBackend
     cu_seqlens_q: torch.Tensor | None = None  # int32 [B + 1]; None: one new token per request
     max_seqlen_q: int = 1
+    # A bound on context_lens known on the host (None: a plan that needs one reads it back).
+    max_context_len: int | None = None
     decode_run: DecodeFn | None = None  # the backend's decode plan, made by the first layer
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,7 +102,7 @@ class PagedAttentionMetadata:
                                   scale)
         if self.decode_run is None:
             self.decode_run = backend.plan_decode(self.block_tables, self.context_lens,
-                                                  k_cache.shape[1])
+                                                  k_cache.shape[1], self.max_context_len)
         return self.decode_run(q, k_cache, v_cache, scale)
 
 
@@ -189,6 +198,10 @@ class PagedAttentionEngine(PagedLoopEngine):
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
         # Each layer's K and V views of the pool, made once rather than in every forward.
         self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
+        if "triton" in (self.backend.name, self.prefill_backend.name) and \
+                self.device.type == "cuda":
+            # Every tile size compiled now: a JIT compile (1-3 s) must not land in a timed run.
+            triton_attention.warm_up(*self.layer_kv[0], lm.config.num_attention_heads, lm.dtype)
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         with attn_implementation(self.model, ATTN_IMPLEMENTATION):

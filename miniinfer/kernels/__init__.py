@@ -24,10 +24,16 @@ interpreter. Set it in the shell (``TRITON_INTERPRET=1 python ...``) or before t
 of ``miniinfer.kernels``; setting it later has no effect on the already-built kernel. The
 interpreter runs on CPU tensors with numpy, thousands of times slower than a GPU: it is for
 reading and testing the kernel, which is why "auto" never picks it.
+
+Triton on CUDA: before Triton counts as available it is launched once on a tiny input
+(:func:`.triton_attention.probe`). Triton builds a C launcher on first use, which needs a C
+compiler; a machine without one falls back to the reference at start-up (with a warning that
+says why) instead of failing in the middle of a run.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,10 +54,12 @@ class AttentionBackend:
     max_seqlen_q=None)`` (None where the backend has no varlen kernel); ``store_kv`` is the
     same for every backend.
 
-    ``plan_decode(block_tables, context_lens, block_size)``, where not None, returns
-    ``run(q, k_cache, v_cache, scale)``, equal to ``decode`` with those tables and lens but with
-    the work that does not depend on the layer done once: call it once per decode step and
-    ``run`` in every layer. A GPU kernel reads the tables itself and needs no plan."""
+    ``plan_decode(block_tables, context_lens, block_size, max_context_len=None)``, where not
+    None, returns ``run(q, k_cache, v_cache, scale)``, equal to ``decode`` with those tables
+    and lens but with the work that does not depend on the layer done once: call it once per
+    decode step and ``run`` in every layer. ``max_context_len`` is a bound on the lens known on
+    the host, which spares the plan a read from the device. A GPU kernel reads the tables
+    itself and needs no plan."""
 
     name: str
     decode: DecodeFn
@@ -79,7 +87,10 @@ def unavailable_reason(name: str, device: torch.device | str,
     if name == "flash-attn":
         return flash.unavailable_reason(device, block_size)
     if name == "triton":
-        return triton_attention.unavailable_reason(device, block_size)
+        reason = triton_attention.unavailable_reason(device, block_size)
+        if reason is None and device.type == "cuda":
+            reason = triton_attention.probe(device)  # once per device: a tiny launch
+        return reason
     if name == "torch":
         return None
     raise UnknownNameError(f"unknown attention backend {name!r}; "
@@ -101,7 +112,13 @@ def get_backend(name: str | None = None, device: torch.device | str = "cpu",
     if name is None or name == "auto":
         if device.type != "cuda":
             return BACKENDS["torch"]
-        return BACKENDS[available_backends(device, block_size)[0]]
+        best = available_backends(device, block_size)[0]
+        if best == "torch":
+            # On a GPU the reference is a last resort, and several times slower: say why.
+            warnings.warn(f"attention backend 'triton' cannot run on {device} "
+                          f"({unavailable_reason('triton', device, block_size)}); "
+                          f"falling back to the torch reference", RuntimeWarning, stacklevel=2)
+        return BACKENDS[best]
     if reason := unavailable_reason(name, device, block_size):
         raise MiniInferError(f"attention backend {name!r} is not available on {device}: {reason}; "
                              f"available: {', '.join(available_backends(device, block_size))}")

@@ -30,6 +30,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Devices where BlockGather masks stale positions instead of listing them: listing needs their
+# count on the host (nonzero), a wait for the device that a CUDA graph or chapter 07's overlapped
+# loop must not have.
+MASK_STALE_ON = {"cuda"}
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -57,11 +62,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 class DecodePlan:
     """:func:`paged_decode_attention` for one set of block tables and context lens, with the
     work that does not depend on the layer done once, here: calling the plan with a layer's
-    ``q``, ``k_cache``, ``v_cache`` and ``scale`` gives that function's result."""
+    ``q``, ``k_cache``, ``v_cache`` and ``scale`` gives that function's result.
+
+    ``max_context_len``: a bound on the context lens that the caller knows on the host (see
+    :class:`BlockGather`); with it, on CUDA, planning and running read nothing back from the
+    device, which a CUDA graph capture and chapter 07's overlapped loop need."""
 
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int) -> None:
-        self.gather = BlockGather(block_tables, context_lens, block_size)
+                 block_size: int, max_context_len: int | None = None) -> None:
+        self.gather = BlockGather(block_tables, context_lens, block_size, max_context_len)
         # The query is the last cached token: it sees exactly its context. Additive, so the
         # attention does not convert a boolean mask again in every layer.
         in_context = self.gather.in_context[:, None, None, :]  # [batch, 1, 1, context]
@@ -95,20 +104,32 @@ class BlockGather:
     """
 
     def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 block_size: int) -> None:
+                 block_size: int, max_context_len: int | None = None) -> None:
         # Tables are sized for the longest request the engine allows; read only the blocks
-        # the longest request in this batch uses.
-        max_blocks = -(-int(context_lens.max()) // block_size)
+        # the longest request in this batch uses. Without a bound from the caller that length
+        # is read back from the device (a sync); a bound past the table means the whole table.
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        max_blocks = min(-(-max_context_len // block_size), block_tables.shape[1])
         self.blocks = block_tables[:, :max_blocks].flatten().long()
         positions = torch.arange(max_blocks * block_size, device=context_lens.device)
         self.in_context = positions < context_lens[:, None]  # [batch, context]
-        self.stale = (~self.in_context).flatten().nonzero().squeeze(1)
+        stale = ~self.in_context.view(-1, 1, 1)
+        if context_lens.device.type in MASK_STALE_ON:
+            self.stale_mask, self.stale_rows = stale, None
+        else:
+            # On a CPU nothing runs ahead of the host, so the count nonzero() reads costs no
+            # wait, and filling only the stale rows is several times faster than a masked fill.
+            self.stale_mask, self.stale_rows = None, stale.flatten().nonzero().squeeze(1)
 
     def __call__(self, cache: torch.Tensor) -> torch.Tensor:
         batch, context = self.in_context.shape
         num_kv_heads, head_dim = cache.shape[2:]
         dense = torch.index_select(cache, 0, self.blocks).view(-1, num_kv_heads, head_dim)
-        dense.index_fill_(0, self.stale, 0.0)
+        if self.stale_rows is None:
+            dense.masked_fill_(self.stale_mask, 0.0)
+        else:
+            dense.index_fill_(0, self.stale_rows, 0.0)
         return dense.view(batch, context, num_kv_heads, head_dim).transpose(1, 2).float()
 
 

@@ -18,6 +18,8 @@ is imported, if ``TRITON_INTERPRET=1`` is set by then (see :mod:`miniinfer.kerne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -120,6 +122,18 @@ if triton is not None:
                  + head[:, None] * stride_out_head + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
+    # The block tables, context lens and cu_seqlens of chapter 08's steps are slices of one
+    # staged buffer at offsets that change every step, and the table width (its row stride) is
+    # sometimes 1. By default Triton compiles one variant per pointer alignment and per
+    # "stride == 1 / stride % 16 == 0" case (14-16 variants in one chapter 08 run, a JIT compile
+    # of 1-3 s each inside timed runs); these loads are a few scalars per program, so
+    # specialising on them buys nothing. (Jitted again rather than given these options in the
+    # decorator above, to keep the kernel's header short where chapter 06 prints it.)
+    _paged_attention_kernel = triton.jit(
+        _paged_attention_kernel.fn, do_not_specialize=["stride_block_tables"],
+        do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
+                                        "cu_seqlens_q_ptr"])
+
     # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
     INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
 else:
@@ -154,9 +168,22 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, scale: float,
                            max_seqlen_q: int | None = None) -> torch.Tensor:
     """Same contract as :func:`.reference.paged_varlen_attention`."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if reason := unavailable_reason(q.device, block_size):
+    if reason := unavailable_reason(q.device, k_cache.shape[1]):
         raise RuntimeError(reason)
+    out = torch.empty_like(q)
+    grid, args, constants = launch_config(q, out, k_cache, v_cache, cu_seqlens_q, block_tables,
+                                          context_lens, scale, max_seqlen_q)
+    _paged_attention_kernel[grid](*args, **constants)
+    return out
+
+
+def launch_config(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, max_seqlen_q: int | None = None
+                  ) -> tuple[tuple[int, int, int], tuple, dict[str, object]]:
+    """The grid, positional arguments and compile-time constants of the kernel launch for
+    these inputs (the tests compile exactly this for sm_80/sm_90 on a machine without a GPU)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // num_kv_heads
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q, k_cache and v_cache must have a contiguous last (head_dim) dim")
@@ -164,17 +191,12 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError("k_cache and v_cache must have the same layout (strides)")
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    # Decode fits the whole group in one tile (one program per request and kv head); longer
-    # queries are cut into tiles of _PREFILL_ROWS rows.
-    rows_per_tile = max(_MIN_DOT_DIM,
-                        min(_PREFILL_ROWS, triton.next_power_of_2(group * max_seqlen_q)))
-    out = torch.empty_like(q)
-    batch = len(context_lens)
-    grid = (batch, num_kv_heads, triton.cdiv(max_seqlen_q * group, rows_per_tile))
-    _paged_attention_kernel[grid](
-        q, out, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+    rows_per_tile = tile_rows(group, max_seqlen_q)
+    grid = (len(context_lens), num_kv_heads, triton.cdiv(max_seqlen_q * group, rows_per_tile))
+    args = (q, out, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    constants = dict(
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_SIZE=block_size, ROWS=rows_per_tile,
         # fp32 inputs would otherwise run as TF32 on tensor cores (about 3 decimal digits);
@@ -182,4 +204,62 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16,
     )
-    return out
+    return grid, args, constants
+
+
+def tile_rows(group: int, max_seqlen_q: int) -> int:
+    """Query rows per program: decode fits the whole group in one tile (one program per
+    request and kv head); longer queries are cut into tiles of ``_PREFILL_ROWS`` rows. Each
+    distinct value is one compiled variant of the kernel."""
+    return max(_MIN_DOT_DIM, min(_PREFILL_ROWS, triton.next_power_of_2(group * max_seqlen_q)))
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+            dtype: torch.dtype) -> None:
+    """Compile every variant of the kernel that this cache and head layout can launch (one per
+    tile size: decode and each prefill tile), so no JIT compile lands inside a timed run. The
+    launches read block 0 of the cache and write only their own output."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    group = num_heads // num_kv_heads
+    device = k_cache.device
+    seen = set()
+    for max_seqlen_q in range(1, _PREFILL_ROWS + 1):
+        rows = tile_rows(group, max_seqlen_q)
+        if rows in seen:
+            continue
+        seen.add(rows)
+        q = torch.zeros(max_seqlen_q, num_heads, head_dim, dtype=dtype, device=device)
+        cu_seqlens_q = torch.tensor([0, max_seqlen_q], dtype=torch.int32, device=device)
+        # Every entry block 0: the queries' context (their own positions) spans several blocks.
+        width = triton.cdiv(max_seqlen_q, k_cache.shape[1])
+        block_tables = torch.zeros(1, width, dtype=torch.int32, device=device)
+        context_lens = cu_seqlens_q[1:]
+        paged_varlen_attention(q, k_cache, v_cache, cu_seqlens_q, block_tables, context_lens,
+                               1.0, max_seqlen_q)
+
+
+@functools.cache
+def probe(device: torch.device) -> str | None:
+    """Launch the kernel once on a tiny input (what ``auto`` checks before picking Triton):
+    Triton builds a C launcher on first use, so a machine without a C compiler, or with a
+    driver Triton cannot talk to, fails here instead of in the middle of a run. None: it
+    works; otherwise why not."""
+    if (reason := unavailable_reason(device)) is not None:
+        return reason
+    from .reference import paged_decode_attention as reference_decode
+
+    generator = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(2, _MIN_DOT_DIM, 1, _MIN_DOT_DIM, generator=generator)
+    v_cache = torch.randn(k_cache.shape, generator=generator)
+    q = torch.randn(1, 1, _MIN_DOT_DIM, generator=generator)
+    tables = torch.tensor([[1]], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    expected = reference_decode(q, k_cache, v_cache, tables, lens, 0.25)
+    try:
+        got = paged_decode_attention(*(t.to(device) for t in (q, k_cache, v_cache, tables, lens)),
+                                     0.25).cpu()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not pick Triton
+        return f"a test launch of the Triton kernel failed ({type(exc).__name__}: {exc})"
+    if not torch.allclose(got, expected, atol=1e-4):
+        return "a test launch of the Triton kernel gave wrong results"
+    return None
