@@ -82,14 +82,26 @@ _STEPS_SQL = """
 
 def phase_table(trace: Trace) -> pd.DataFrame:
     """CPU ms per decode step for each labelled phase, its share of the step, and what is left
-    unlabelled. Phases are the ranges nested directly in the step window."""
+    unlabelled. A phase that runs inside another (``write_decode_kv`` inside ``model_forward``
+    when attention writes the cache) names its parent in ``inside`` and is not subtracted again:
+    unlabelled time is the step minus the outermost phases only."""
     query = _STEPS_SQL + """
-        , measured AS (SELECT * FROM steps WHERE step >= 0)
-        SELECT e.name AS phase, sum(e.dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step
-        FROM events e JOIN measured s
-          ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
-        WHERE e.cat = 'user_annotation' AND e.name IN (SELECT unnest($phases))
-        GROUP BY e.name
+        , measured AS (SELECT * FROM steps WHERE step >= 0),
+        ranges AS (
+            SELECT e.name, e.ts, e.ts + e.dur AS te, e.dur, e.tid FROM events e JOIN measured s
+              ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
+            WHERE e.cat = 'user_annotation' AND e.name IN (SELECT unnest($phases))
+        ),
+        parents AS (
+            SELECT r.name, r.ts, r.dur,
+                   (SELECT min(p.name) FROM ranges p
+                    WHERE p.tid = r.tid AND p.ts <= r.ts AND p.te >= r.te
+                      AND (p.ts, p.te, p.name) <> (r.ts, r.te, r.name)) AS inside
+            FROM ranges r
+        )
+        SELECT name AS phase, sum(dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step,
+               coalesce(min(inside), '') AS inside
+        FROM parents GROUP BY name
     """
     params = {"warmup": trace.warmup_steps, "step_name": STEP, "phases": list(PHASES)}
     df = trace.sql(query, params)
@@ -97,9 +109,10 @@ def phase_table(trace: Trace) -> pd.DataFrame:
                         {"warmup": trace.warmup_steps, "step_name": STEP}).ms.iloc[0]
     order = {name: i for i, name in enumerate(PHASES)}
     df = df.sort_values("phase", key=lambda s: s.map(order)).reset_index(drop=True)
-    unlabelled = step_ms - df.ms_per_step.sum()
-    df = pd.concat([df, pd.DataFrame([{"phase": "(unlabelled)", "ms_per_step": unlabelled},
-                                      {"phase": STEP, "ms_per_step": step_ms}])],
+    unlabelled = step_ms - df.ms_per_step[df.inside == ""].sum()
+    df = pd.concat([df, pd.DataFrame([{"phase": "(unlabelled)", "ms_per_step": unlabelled,
+                                       "inside": ""},
+                                      {"phase": STEP, "ms_per_step": step_ms, "inside": ""}])],
                    ignore_index=True)
     df["share_of_step"] = df.ms_per_step / step_ms
     return df

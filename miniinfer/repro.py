@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from .bench import BenchConfig, run_bench, summary_table
-from .devices import REPO_ROOT, device_slug
+from .devices import REPO_ROOT, device_slug, device_speed
 from .errors import UnknownNameError
 from .models import load_model, resolve_device
 from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
@@ -82,7 +82,7 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto") 
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
                             "engines": run.engines_for(dev), "chapter": chapter})
     lm = load_model(model, device=dev)
-    df = run_bench(lm, config)
+    df = run_bench(lm, config, speed=device_speed(dev, store=True))
     print(summary_table(df).to_string(index=False))
     out = results_path(chapter, dev)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +110,8 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
                             "engines": ("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
                             "chapter": "05"})
     bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
-                                   "paged-prealloc/ranges-off": RangesOff(prealloc)})
+                                   "paged-prealloc/ranges-off": RangesOff(prealloc)},
+                      speed=device_speed(dev, store=True))
     print(summary_table(bench).to_string(index=False))
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
                           "git_sha", "date"]].to_dict()

@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from ..devices import run_metadata
+from ..devices import LoadGuard, run_metadata
+from ..bench import own_threads
 from ..errors import InvalidRequestError
 from ..models import LoadedModel
 from .metrics import request_table, step_table, summarize
@@ -78,10 +79,13 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
             if config.warmup:
                 worker.submit(systems.serve, system, budget or budgets[0], warmup).result()
             workload = make_workload(lm, replace(config.workload, request_rate=rate))
-            run = worker.submit(systems.serve, system, budget or budgets[0], workload).result()
+            with LoadGuard(own_threads(lm)) as load:
+                run = worker.submit(systems.serve, system, budget or budgets[0],
+                                    workload).result()
+            load.warn(f"{system} at {rate} req/s")
             run_tags = {**tags, "system": system, "request_rate": rate,
                         "max_num_batched_tokens": budget or math.nan}
-            runs.append({**run_tags, **summarize(run)})
+            runs.append({**run_tags, **summarize(run), **load.columns()})
             requests.append(request_table(run).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))

@@ -1,0 +1,81 @@
+"""The book's analysis plumbing: the load guard, the device table (one speed of light per
+device), the decode floor's compute roof, phase tables without negative time."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from miniinfer import devices
+from miniinfer.bench import make_prompts
+from miniinfer.devices import (DeviceSpeed, LoadGuard, decode_floor, device_speed, is_busy,
+                               read_devices, write_device)
+from miniinfer.engines import make_engine
+from miniinfer.profiling import phase_table, profile_decode
+
+
+def test_busy_means_load_beyond_the_runs_own_threads_or_steal():
+    # 2 cores, a 2-thread run: a load of 1.0 per core is the run itself.
+    assert not is_busy(0.1, 1.0, 0.0, threads=2, cores=2)
+    assert is_busy(0.25, 0.8, 0.0, threads=1, cores=2)  # 0.6 cores of someone else's work
+    assert is_busy(0.0, 2.0, 0.0, threads=2, cores=2)  # two more runnable threads than ours
+    assert is_busy(0.0, 0.5, 12.0, threads=1, cores=2)  # the hypervisor took 12% of the time
+    assert not is_busy(0.0, 0.5, math.nan, threads=1, cores=2)  # no /proc/stat: no steal figure
+
+
+def test_load_guard_records_columns_around_its_block():
+    with LoadGuard(threads=1) as guard:
+        sum(range(10_000))
+    cols = guard.columns()
+    assert set(cols) == {"load_before", "load_after", "steal_pct", "busy"}
+    assert cols["load_before"] >= 0 and cols["load_after"] >= 0
+    assert isinstance(cols["busy"], bool)
+
+
+def test_device_table_round_trip_and_no_write_unless_stored(tmp_path, monkeypatch):
+    path = tmp_path / "devices.csv"
+    slug = devices.device_slug(torch.device("cpu"))
+    fake = DeviceSpeed(slug, "a cpu", 12.5, 300.0, 2, "test", "2026-01-01")
+    calls = []
+    monkeypatch.setattr(devices, "measure_device", lambda d: calls.append(d) or fake)
+    monkeypatch.setattr(devices, "_measured_this_process", {})
+    assert device_speed(torch.device("cpu"), path) == fake
+    assert not path.exists()  # a live run measures but never writes results
+    assert device_speed(torch.device("cpu"), path) == fake and len(calls) == 1  # measured once
+    device_speed(torch.device("cpu"), path, store=True, remeasure=True)
+    assert read_devices(path) == {slug: fake} and len(calls) == 2
+    other = DeviceSpeed("cuda-x", "x", 3000.0, math.nan, 0, "test", "2026-01-02")
+    write_device(other, path)
+    table = read_devices(path)
+    assert table[slug] == fake and table["cuda-x"].bandwidth_gbs == 3000.0
+    assert math.isnan(table["cuda-x"].peak_gflops)
+    # Recorded now: read, not measured again.
+    assert device_speed(torch.device("cpu"), path) == fake and len(calls) == 2
+    assert list(pd.read_csv(path).columns) == list(devices.DEVICE_FIELDS)
+
+
+def test_decode_floor_has_a_compute_roof(tiny):
+    floor1 = decode_floor(tiny, 1, 64, bandwidth=1e9, peak_flops=1e12)
+    assert floor1.bound == "memory" and floor1.step_ms == floor1.memory_ms
+    # A tiny peak makes the same step compute-bound, and the floor follows the roof.
+    floor8 = decode_floor(tiny, 8, 64, bandwidth=1e9, peak_flops=1e6)
+    assert floor8.bound == "compute" and floor8.step_ms == floor8.compute_ms > floor8.memory_ms
+    assert floor8.flops > 8 * floor1.flops * 0.99
+    # No roof known: the memory floor alone.
+    assert decode_floor(tiny, 8, 64, bandwidth=1e9).step_ms == floor8.memory_ms
+
+
+@pytest.mark.parametrize("engine", ["paged-prealloc", "paged-attention"])
+def test_phase_table_has_no_negative_time(tiny, engine):
+    # paged-attention writes K/V inside model_forward: counted once, not twice.
+    trace = profile_decode(make_engine(engine, tiny), make_prompts(tiny, 2, 8), steps=3)
+    table = phase_table(trace).set_index("phase")
+    assert (table.ms_per_step >= 0).all(), table
+    step = table.loc["decode_step", "ms_per_step"]
+    outer = table[(table.inside == "") & (table.index != "decode_step")]
+    assert outer.ms_per_step.sum() == pytest.approx(step, rel=1e-9)
+    if engine == "paged-attention":
+        assert table.loc["write_decode_kv", "inside"] == "model_forward"
