@@ -8,10 +8,9 @@ import csv
 import datetime as dt
 import os
 import platform
-import sys
 import re
-import statistics
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -42,15 +42,18 @@ class Trace:
 
 
 def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: int = 2,
-                   trace_path: str | Path | None = None) -> Trace:
+                   trace_path: str | Path | None = None, warm: bool = True) -> Trace:
     """Profile one generate of ``warmup_steps + steps`` tokens. The first ``warmup_steps``
-    decode windows are kept in the trace but left out of the per-step figures."""
+    decode windows are kept in the trace but left out of the per-step figures. ``warm``: run
+    the same generate once unprofiled first (skip it when the engine has just run these
+    shapes: a long prefill is the costly part)."""
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     # +1: the first token comes from prefill, not from a decode step.
     params = SamplingParams(max_new_tokens=warmup_steps + steps + 1, ignore_eos=True)
-    engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
+    if warm:
+        engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
     with profile(activities=activities) as prof:
         engine.generate(prompts, params)
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,8 +11,15 @@ import torch
 
 from miniinfer import devices
 from miniinfer.bench import make_prompts
-from miniinfer.devices import (DeviceSpeed, LoadGuard, decode_floor, device_speed, is_busy,
-                               read_devices, write_device)
+from miniinfer.devices import (
+    DeviceSpeed,
+    LoadGuard,
+    decode_floor,
+    device_speed,
+    is_busy,
+    read_devices,
+    write_device,
+)
 from miniinfer.engines import make_engine
 from miniinfer.profiling import phase_table, profile_decode
 
@@ -79,3 +86,37 @@ def test_phase_table_has_no_negative_time(tiny, engine):
     assert outer.ms_per_step.sum() == pytest.approx(step, rel=1e-9)
     if engine == "paged-attention":
         assert table.loc["write_decode_kv", "inside"] == "model_forward"
+
+
+def test_context_sweep_rows_per_engine_and_length(tiny):
+    from miniinfer.repro import ContextSweep, run_context_sweep
+
+    speed = DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "2026-01-01")
+    df = run_context_sweep(tiny, ("hf", "paged-loop", "paged-attention"),
+                           ContextSweep((8, 24), batch_size=2, new_tokens=4, profiled_steps=2),
+                           speed, chapter="03")
+    assert len(df) == 6 and set(df.context_len) == {8, 24}
+    assert (df.kv_mb_per_step.loc[df.context_len == 24].iloc[0]
+            > df.kv_mb_per_step.loc[df.context_len == 8].iloc[0])
+    paged = df[df.engine != "hf"]
+    assert paged.profiled_step_ms.notna().all() and (paged.unlabelled_ms >= 0).all()
+    assert df[df.engine == "hf"].pct_of_hf.eq(100).all()
+    assert {"load_before", "load_after", "busy"} <= set(df.columns)
+
+
+def test_book_helpers_handle_old_and_new_results():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from miniinfer import book
+
+    old = book.recorded_results("06")  # recorded before the load guard and decode_tok_s
+    assert "context_len" not in old.columns  # the sweep's CSV is not a benchmark
+    assert "not recorded yet" in book.load_note(old)
+    new = old.assign(load_before=0.1, load_after=0.5, steal_pct=0.0, busy=False)
+    assert book.load_note(new).startswith("load: quiet machine")
+    busy = new.assign(busy=new.index == 0)
+    assert book.load_note(busy).startswith("RECORDED ON A BUSY MACHINE: 1 of")
+    assert len(book.plot_what_it_buys(old).axes) == 3
+    assert len(book.plot_by_device(old).axes) == 2
+    assert book.recorded_context_sweeps("02").empty

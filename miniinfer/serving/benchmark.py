@@ -11,8 +11,8 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from ..devices import LoadGuard, run_metadata
 from ..bench import own_threads
+from ..devices import LoadGuard, run_metadata
 from ..errors import InvalidRequestError
 from ..models import LoadedModel
 from .metrics import request_table, step_table, summarize
