@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,22 @@ class Trace:
         return con.execute(query, params or []).df()
 
 
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Hide what C++ code writes straight to file descriptor 2 (the profiler's ``USDT ...
+    profiler_start`` lines, which a notebook shows as red noise). Only the profiler's start and
+    stop run inside: errors of the profiled code still reach stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: int = 2,
                    trace_path: str | Path | None = None, warm: bool = True) -> Trace:
     """Profile one generate of ``warmup_steps + steps`` tokens. The first ``warmup_steps``
@@ -54,8 +74,14 @@ def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: i
     params = SamplingParams(max_new_tokens=warmup_steps + steps + 1, ignore_eos=True)
     if warm:
         engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         engine.generate(prompts, params)
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
