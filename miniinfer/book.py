@@ -249,6 +249,29 @@ def context_phase_table(df: pd.DataFrame) -> pd.DataFrame:
     return df.set_index(["device_name", "engine", "context_len"])[cols].round(1)
 
 
+def context_sentences(df: pd.DataFrame) -> list[str]:
+    """What a context sweep shows, as sentences computed from it: each engine's decode step from
+    the shortest to the longest context, and the paged stages' K/V bookkeeping (gather + build +
+    write, profiled) over the same range."""
+    lines = []
+    kv_cols = [f"{p}_ms" for p in SWEEP_PHASES[:3] if f"{p}_ms" in df]
+    for name, dev in df.groupby("device_name", sort=False):
+        short, long = dev.context_len.min(), dev.context_len.max()
+        lines.append(f"{name}, batch {dev.batch_size.iloc[0]}, context {short} -> {long}:")
+        for engine, rows in dev.groupby("engine", sort=False):
+            rows = rows.set_index("context_len")
+            line = (f"  {engine}: decode step {rows.step_ms[short]:.1f} -> {rows.step_ms[long]:.1f}"
+                    f" ms ({rows.step_ms[long] / rows.step_ms[short]:.2f}x), "
+                    f"{rows.pct_of_hf[short]:.0f}% -> {rows.pct_of_hf[long]:.0f}% of hf's step")
+            if engine != "hf" and kv_cols:
+                kv = rows[kv_cols].fillna(0).sum(axis=1)
+                line += (f"; K/V bookkeeping {kv[short]:.1f} -> {kv[long]:.1f} ms per profiled "
+                         f"step ({100 * kv[long] / rows.profiled_step_ms[long]:.0f}% of it at "
+                         f"{long})")
+            lines.append(line)
+    return lines
+
+
 def plot_context_sweep(df: pd.DataFrame):
     """Per recorded device: decode step time vs context length per engine (with the floor), and
     the paged stages' K/V phases (gather + build + write, from the profiled run) vs context."""

@@ -102,6 +102,17 @@ def test_context_sweep_rows_per_engine_and_length(tiny):
     assert paged.profiled_step_ms.notna().all() and (paged.unlabelled_ms >= 0).all()
     assert df[df.engine == "hf"].pct_of_hf.eq(100).all()
     assert {"load_before", "load_after", "busy"} <= set(df.columns)
+    from miniinfer.book import context_phase_table, context_sentences
+
+    lines = context_sentences(df)
+    assert len(lines) == 4 and "K/V bookkeeping" in lines[2] and "K/V" not in lines[1]
+    assert len(context_phase_table(df)) == 6
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from miniinfer.book import plot_context_sweep
+
+    assert len(plot_context_sweep(df).axes) == 2
 
 
 def test_book_helpers_handle_old_and_new_results():
