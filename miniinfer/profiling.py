@@ -167,12 +167,45 @@ def ops_in_window(trace: Trace, range_name: str, step: int = 0) -> pd.DataFrame:
 
 
 def top_ops(trace: Trace, limit: int = 15, device: bool = False) -> pd.DataFrame:
-    """The heaviest operators (CPU) or kernels (``device=True``, CUDA only) over the whole run."""
-    cat = "kernel" if device else "cpu_op"
-    return trace.sql(
-        "SELECT name, count(*) AS count, sum(dur) / 1e3 AS total_ms FROM events "
-        "WHERE cat = $cat GROUP BY name ORDER BY total_ms DESC LIMIT $limit",
-        {"cat": cat, "limit": limit})
+    """The heaviest operators inside the measured decode steps (CPU, ms per step), or on CUDA
+    the heaviest kernels (``device=True``) over the whole profiled run (kernels run on the
+    device's own timeline, outside the host's step windows). Prefill and warm-up steps are left
+    out of the CPU figures: a one-off cost there would otherwise read as a per-step one."""
+    if device:
+        return trace.sql(
+            "SELECT name, count(*) AS count, sum(dur) / 1e3 AS total_ms FROM events "
+            "WHERE cat = 'kernel' GROUP BY name ORDER BY total_ms DESC LIMIT $limit",
+            {"limit": limit})
+    query = _STEPS_SQL + """
+        , measured AS (SELECT * FROM steps WHERE step >= 0)
+        SELECT e.name, count(*) / (SELECT count(*) FROM measured) AS count_per_step,
+               sum(e.dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step
+        FROM events e JOIN measured s ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
+        WHERE e.cat = 'cpu_op'
+        GROUP BY e.name ORDER BY ms_per_step DESC LIMIT $limit
+    """
+    return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP, "limit": limit})
+
+
+def phase_repeats(lm, engine: str, batch_sizes: tuple[int, ...], prompt_len: int, steps: int,
+                  repeats: int, warmup_steps: int = 2) -> pd.DataFrame:
+    """:func:`phase_table` of ``engine`` profiled ``repeats`` times at each batch size, the
+    repeats interleaved across batch sizes: per batch size and phase the median ms per step,
+    its lowest and highest repeat (``ms_min``, ``ms_max``), the median share of the step and
+    the ``inside`` of nested phases."""
+    from .bench import make_prompts
+    from .engines import make_engine
+
+    eng = make_engine(engine, lm)
+    prompts = {b: make_prompts(lm, b, prompt_len) for b in batch_sizes}
+    runs = [phase_table(profile_decode(eng, prompts[b], steps, warmup_steps))
+            .assign(batch_size=b, repeat=r) for r in range(repeats) for b in batch_sizes]
+    df = pd.concat(runs, ignore_index=True)
+    agg = df.groupby(["batch_size", "phase"], sort=False).agg(
+        ms_per_step=("ms_per_step", "median"), ms_min=("ms_per_step", "min"),
+        ms_max=("ms_per_step", "max"), share_of_step=("share_of_step", "median"),
+        inside=("inside", "first")).reset_index()
+    return agg.assign(engine=engine, repeats=repeats)
 
 
 def device_phase_ms(trace: Trace) -> pd.DataFrame:
@@ -224,7 +257,7 @@ class DecodeProfile:
 
     phases: pd.DataFrame  # batch_size, phase, ms_per_step, share_of_step[, device_ms_per_step]
     ops: pd.DataFrame  # engine, batch_size, window, name, count, total_ms, avg_us
-    top: pd.DataFrame  # batch_size, kind (cpu_op / kernel), name, count, total_ms
+    top: pd.DataFrame  # batch_size, kind, name; cpu_op: count_per_step, ms_per_step; kernel: count, total_ms
     traces: dict[tuple[str, int], Trace]
 
 

@@ -187,19 +187,25 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
 
 
 def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
-    """Profile ``paged-prealloc`` (phases, top ops/kernels) and ``paged-loop`` (op counts) at
-    batch 1/4/8, and benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
+    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; then
+    benchmark hf vs paged-prealloc with ranges on and off in one run."""
     from .engines import make_engine
-    from .profiling import RangesOff, profile_stages
+    from .profiling import RangesOff, phase_repeats, profile_stages
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
     lm = load_model(model, device=dev)
     slug = device_slug(dev)
     out_dir = RESULTS / "ch05"
-    steps = 20 if dev.type == "cuda" else 6
+    steps = 20 if dev.type == "cuda" else 8
     prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
                           trace_prefix=f"{slug}-")
+    phases = phase_repeats(lm, "paged-prealloc", base.batch_sizes, base.prompt_len, steps,
+                           repeats=5)
+    if "device_ms_per_step" in prof.phases:  # CUDA: the device time of one profiled run
+        phases = phases.merge(prof.phases[["batch_size", "phase", "device_ms_per_step"]],
+                              on=["batch_size", "phase"], how="left")
     prealloc = make_engine("paged-prealloc", lm)
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
                             "engines": ("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
@@ -211,7 +217,7 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
                           "git_sha", "date"]].to_dict()
     written = []
-    for kind, df in (("phases", prof.phases), ("ops", prof.ops), ("top", prof.top),
+    for kind, df in (("phases", phases), ("ops", prof.ops), ("top", prof.top),
                      ("bench", bench)):
         path = out_dir / f"{slug}-{kind}.csv"
         df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)

@@ -131,3 +131,18 @@ def test_book_helpers_handle_old_and_new_results():
     assert len(book.plot_what_it_buys(old).axes) == 3
     assert len(book.plot_by_device(old).axes) == 2
     assert book.recorded_context_sweeps("02").empty
+
+
+def test_phase_repeats_give_a_median_inside_its_spread(tiny):
+    from miniinfer.profiling import phase_repeats, profile_decode, top_ops
+
+    df = phase_repeats(tiny, "paged-attention", (1, 2), prompt_len=8, steps=2, repeats=2)
+    assert set(df.batch_size) == {1, 2} and (df.repeats == 2).all()
+    assert (df.ms_min <= df.ms_per_step + 1e-12).all() and (df.ms_per_step <= df.ms_max + 1e-12).all()
+    assert (df.ms_min >= 0).all()
+    # Top ops are per measured decode step: nothing from prefill, no step longer than the step.
+    trace = profile_decode(make_engine("paged-prealloc", tiny), make_prompts(tiny, 2, 8), steps=2)
+    top = top_ops(trace, 5)
+    step = phase_table(trace).set_index("phase").ms_per_step["decode_step"]
+    assert (top.ms_per_step <= step).all() and list(top.columns) == ["name", "count_per_step",
+                                                                      "ms_per_step"]
