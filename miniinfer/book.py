@@ -120,6 +120,30 @@ def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.Da
     return cells
 
 
+def ablation_table(df: pd.DataFrame, steps: list[tuple[str, str, str]]) -> pd.DataFrame:
+    """Each ``(before, after, change)`` in ``steps``: the change in median % of hf from stage
+    ``before`` to ``after``, per device and batch size, and whether the run can tell it from
+    noise (the two stages' per-repeat ranges do not overlap; runs without ranges: unknown)."""
+    rows = []
+    has_spread = "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all()
+    for (device, batch), dev in df.groupby(["device_name", "batch_size"], sort=False):
+        stage = dev.set_index("engine")
+        for before, after, change in steps:
+            if before not in stage.index or after not in stage.index:
+                continue
+            a, b = stage.loc[before], stage.loc[after]
+            if has_spread:
+                apart = a.pct_of_hf_max < b.pct_of_hf_min or b.pct_of_hf_max < a.pct_of_hf_min
+                verdict = "yes" if apart else "no (ranges overlap)"
+            else:
+                verdict = "unknown (no per-repeat ranges)"
+            rows.append({"device_name": device, "batch_size": batch, "change": change,
+                         "from": before, "to": after,
+                         "points of hf": round(b.pct_of_hf - a.pct_of_hf, 1),
+                         "outside noise": verdict})
+    return pd.DataFrame(rows).set_index(["device_name", "batch_size", "change"])
+
+
 def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
     """:func:`pct_of_hf_table` with each cell's per-repeat range: "97% [91-104]" is a median
     paired ratio of 97% whose repeats ranged from 91% to 104%. Where two engines' ranges

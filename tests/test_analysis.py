@@ -121,7 +121,8 @@ def test_book_helpers_handle_old_and_new_results():
     matplotlib.use("Agg")
     from miniinfer import book
 
-    old = book.recorded_results("06")  # recorded before the load guard and decode_tok_s
+    old = book.recorded_results("06").drop(columns=["busy", "load_before", "load_after"],
+                                           errors="ignore")  # recorded before the load guard and decode_tok_s
     assert "context_len" not in old.columns  # the sweep's CSV is not a benchmark
     assert "not recorded yet" in book.load_note(old)
     new = old.assign(load_before=0.1, load_after=0.5, steal_pct=0.0, busy=False)
@@ -131,6 +132,12 @@ def test_book_helpers_handle_old_and_new_results():
     assert len(book.plot_what_it_buys(old).axes) == 3
     assert len(book.plot_by_device(old).axes) == 2
     assert book.recorded_context_sweeps("02").empty
+    ab = book.ablation_table(new, [("paged-prealloc", "paged-attention", "x")])
+    assert len(ab) == new.batch_size.nunique()
+    rows = new.set_index(["engine", "batch_size"])
+    b = new.batch_size.iloc[0]
+    assert ab.loc[(new.device_name.iloc[0], b, "x"), "points of hf"] == round(
+        rows.loc[("paged-attention", b), "pct_of_hf"] - rows.loc[("paged-prealloc", b), "pct_of_hf"], 1)
 
 
 def test_phase_repeats_give_a_median_inside_its_spread(tiny):
