@@ -331,30 +331,60 @@ TIMELINE_COLORS = {"decode_step": "#dddddd", "prepare_inputs": "tab:orange",
                    "model_forward": "tab:blue", "sample": "tab:green", "read_tokens": "tab:red"}
 
 
+def _timeline_lane(lane: str, name: str) -> str:
+    """Which row of the Gantt chart a bar goes on: the device's kernels (CUDA), the forward (on a
+    CPU the forward is the compute: the host runs it itself) and the host's bookkeeping."""
+    if lane == "device":
+        return "device kernels"
+    return "forward" if name == "model_forward" else "host"
+
+
 def plot_timelines(bars: pd.DataFrame, title: str = ""):
-    """Gantt chart of :func:`miniinfer.profiling.timeline` bars, one row per engine and lane
-    (host ranges; CUDA kernels on a ``device`` row where there are any). Steps are drawn grey,
-    their phases on top."""
+    """Gantt chart of :func:`miniinfer.profiling.timeline` bars, per engine a ``host`` row (the
+    step as the host sees it, grey, with its bookkeeping phases on top), a ``forward`` row and,
+    on a GPU, a ``device kernels`` row. White space on the forward (or device) row is time the
+    compute waits for the host."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    lanes = list(dict.fromkeys(zip(bars.engine, bars.lane, strict=True)))
-    fig, ax = plt.subplots(figsize=(11, 0.55 * len(lanes) + 1.2))
-    for y, (engine, lane) in enumerate(lanes):
-        rows = bars[(bars.engine == engine) & (bars.lane == lane)]
+    bars = bars.assign(row=[_timeline_lane(lane, name)
+                            for lane, name in zip(bars.lane, bars.name, strict=True)])
+    lanes = list(dict.fromkeys(zip(bars.engine, bars.row, strict=True)))
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(lanes) + 1.4))
+    for y, (engine, row) in enumerate(lanes):
+        rows = bars[(bars.engine == engine) & (bars.row == row)]
         for name, group in rows.groupby("name", sort=False):
             step = name == "decode_step"
             ax.broken_barh(list(zip(group.start_ms, group.dur_ms, strict=True)),
                            (y - (0.4 if step else 0.3), 0.8 if step else 0.6),
                            color=TIMELINE_COLORS.get(name, "tab:purple"), zorder=1 if step else 2)
-    ax.set_yticks(range(len(lanes)), [f"{engine}\n{lane}" for engine, lane in lanes])
+    ax.set_yticks(range(len(lanes)), [f"{engine}: {row}" for engine, row in lanes])
     ax.invert_yaxis()
     ax.set(xlabel="ms from the first step's start", title=title)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in TIMELINE_COLORS.items()]
               + ([Patch(color="tab:purple", label="CUDA kernel")] if "device" in set(bars.lane)
-                 else []), loc="upper left", bbox_to_anchor=(1, 1))
+                 else []), loc="upper left", bbox_to_anchor=(1, 1), fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def host_split(bars: pd.DataFrame) -> pd.DataFrame:
+    """Per engine, from timeline bars: the mean decode step as the host sees it, the forward in
+    it, the host bookkeeping (the rest of the step: inputs, sampling, waiting for tokens, and
+    what no range covers) and the gap between one step's end and the next one's start."""
+    rows = []
+    for engine, group in bars[bars.lane == "host"].groupby("engine", sort=False):
+        steps = group[group.name == "decode_step"].sort_values("start_ms")
+        total = steps.dur_ms.sum()
+        forward = group[group.name == "model_forward"].dur_ms.sum()
+        gaps = (steps.start_ms.iloc[1:].to_numpy()
+                - (steps.start_ms + steps.dur_ms).iloc[:-1].to_numpy())
+        rows.append({"engine": engine, "steps": len(steps), "step_ms": total / len(steps),
+                     "forward_ms": forward / len(steps),
+                     "bookkeeping_ms": (total - forward) / len(steps),
+                     "bookkeeping_pct": 100 * (total - forward) / total,
+                     "between_steps_ms": gaps.mean() if len(gaps) else float("nan")})
+    return pd.DataFrame(rows).set_index("engine")
 
 
 def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
@@ -379,9 +409,10 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     if not table.empty:
         recorded = df.device_name.map(table.set_index("name").bandwidth_gbs)
         device_bandwidth = recorded.fillna(device_bandwidth)
-    memory_bound = (df.floor_bound != "compute") if "floor_bound" in df else True
+    compute_bound = (df.floor_bound.eq("compute") if "floor_bound" in df
+                     else pd.Series(False, index=df.index))
     df = df.assign(pct_of_floor=df.pct_of_floor.where(
-        ~memory_bound, df.pct_of_floor * df.bandwidth_gbs / device_bandwidth))
+        compute_bound, df.pct_of_floor * df.bandwidth_gbs / device_bandwidth))
     return tok_s_table(df, "pct_of_floor")
 
 

@@ -241,7 +241,7 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     prompts = make_prompts(lm, 8, base.prompt_len)
     bars = []
     for name in CHAPTERS["07"].engines_for(dev):
-        if name.startswith("async"):
+        if name.startswith("async") or name == "paged-attention":
             trace = profile_decode(make_engine(name, lm), prompts, steps=4)
             bars.append(timeline(trace).assign(engine=name, batch_size=8))
     # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.

@@ -132,6 +132,7 @@ def test_book_helpers_handle_old_and_new_results():
     assert len(book.plot_what_it_buys(old).axes) == 3
     assert len(book.plot_by_device(old).axes) == 2
     assert book.recorded_context_sweeps("02").empty
+    assert not book.speed_of_light_table().empty  # old runs: rescaled, no crash
     ab = book.ablation_table(new, [("paged-prealloc", "paged-attention", "x")])
     assert len(ab) == new.batch_size.nunique()
     rows = new.set_index(["engine", "batch_size"])
@@ -153,3 +154,20 @@ def test_phase_repeats_give_a_median_inside_its_spread(tiny):
     step = phase_table(trace).set_index("phase").ms_per_step["decode_step"]
     assert (top.ms_per_step <= step).all() and list(top.columns) == ["name", "count_per_step",
                                                                       "ms_per_step"]
+
+
+def test_host_split_and_timeline_lanes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from miniinfer.book import host_split, plot_timelines
+
+    bars = pd.DataFrame({
+        "lane": ["host"] * 6, "engine": ["a"] * 6,
+        "name": ["decode_step", "model_forward", "sample"] * 2,
+        "start_ms": [0.0, 1.0, 9.0, 12.0, 13.0, 21.0], "dur_ms": [10.0, 8.0, 1.0, 10.0, 7.0, 1.0]})
+    split = host_split(bars).loc["a"]
+    assert split.step_ms == 10 and split.forward_ms == 7.5 and split.bookkeeping_ms == 2.5
+    assert split.bookkeeping_pct == 25 and split.between_steps_ms == 2
+    labels = [t.get_text() for t in plot_timelines(bars).axes[0].get_yticklabels()]
+    assert labels == ["a: host", "a: forward"]
