@@ -11,6 +11,13 @@ over repeats.
 ``pct_of_hf_min`` and ``pct_of_hf_max`` are their extremes. On a shared machine whose speed
 drifts by 10-30% within minutes, a ratio taken between neighbouring runs is steadier than a
 ratio of two medians, and the min-max spread says how far a single ratio can be trusted.
+
+``tok_s`` is end to end: prefill and decode of ``new_tokens`` tokens per request. ``ttft_ms``
+(prefill, the time to the first token) and ``decode_tok_s`` (tokens after the first over the
+time after the first) split it into its two phases. Every row also records how busy the
+machine was around its batch size's runs (``load_before``, ``load_after``, ``steal_pct``,
+``busy``; see :class:`miniinfer.devices.LoadGuard`), and the speed of light it is compared
+with comes from the device table (one bandwidth and peak compute per device).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .devices import decode_floor, measure_bandwidth, run_metadata
+from .devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
 from .engines import Engine, GenerationResult, make_engine
 from .errors import InvalidRequestError, keep_on_interrupt
 from .models import LoadedModel
@@ -70,6 +77,9 @@ def run_metrics(result: GenerationResult, batch_size: int, new_tokens: int) -> d
         "tok_s": batch_size * new_tokens / total,
         "step_ms": statistics.median(steps) * 1e3 if steps else float("nan"),
         "ttft_ms": result.ttft_s * 1e3,
+        # Tokens after the first (one per decode step) over the time after the first.
+        "decode_tok_s": batch_size * len(steps) / (result.token_times[-1] - result.token_times[0])
+        if steps else float("nan"),
         # TPOT: time per output token after the first, per request.
         "tpot_ms": (result.token_times[-1] - result.token_times[0]) / max(len(steps), 1) * 1e3,
     }
@@ -83,13 +93,20 @@ def paired_pct(runs: list[dict[str, float]], hf_runs: list[dict[str, float]]) ->
             "pct_of_hf_max": max(ratios)}
 
 
+def own_threads(lm: LoadedModel) -> int:
+    """Cores a run keeps busy itself: torch's threads on a CPU, the driving thread on a GPU."""
+    return torch.get_num_threads() if lm.device.type == "cpu" else 1
+
+
 def run_bench(lm: LoadedModel, config: BenchConfig,
-              engines: dict[str, Engine] | None = None) -> pd.DataFrame:
-    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. Ctrl-C
-    raises ``Interrupted`` holding the rows of the batch sizes that had finished."""
+              engines: dict[str, Engine] | None = None,
+              speed: DeviceSpeed | None = None) -> pd.DataFrame:
+    """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. ``speed``:
+    the device's speed of light (default: the device table's row, measured if it has none).
+    Ctrl-C raises ``Interrupted`` holding the rows of the batch sizes that had finished."""
     engines = engines or {name: make_engine(name, lm) for name in config.engines}
     params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
-    bandwidth = measure_bandwidth(lm.device)
+    speed = speed or device_speed(lm.device)
     meta = run_metadata(lm.device)
     rows = []
     total = len(config.batch_sizes) * len(engines) * (config.warmup + config.repeat)
@@ -103,14 +120,16 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     bar.update()
             runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
             names = list(engines)
-            for r in range(config.repeat):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    result = engines[name].generate(prompts, params)
-                    runs[name].append(run_metrics(result, batch_size, config.new_tokens))
-                    bar.update()
+            with LoadGuard(own_threads(lm)) as load:
+                for r in range(config.repeat):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        result = engines[name].generate(prompts, params)
+                        runs[name].append(run_metrics(result, batch_size, config.new_tokens))
+                        bar.update()
+            load.warn(f"batch size {batch_size}")
             # Mid-decode context length stands for the average step.
             floor = decode_floor(lm, batch_size, config.prompt_len + config.new_tokens // 2,
-                                 bandwidth)
+                                 speed.bandwidth, speed.peak_flops)
             for name, measured in runs.items():
                 p50 = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
                 if "hf" in runs:
@@ -121,7 +140,9 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     "prompt_len": config.prompt_len, "new_tokens": config.new_tokens,
                     "repeats": config.repeat, **p50,
                     "floor_ms": floor.step_ms, "pct_of_floor": 100 * floor.step_ms / p50["step_ms"],
-                    "bandwidth_gbs": bandwidth / 1e9, **meta,
+                    "floor_memory_ms": floor.memory_ms, "floor_compute_ms": floor.compute_ms,
+                    "floor_bound": floor.bound, "bandwidth_gbs": speed.bandwidth_gbs,
+                    "peak_gflops": speed.peak_gflops, **load.columns(), **meta,
                 })
     return _tidy(rows, engines)
 
@@ -131,7 +152,8 @@ def _tidy(rows: list[dict], engines: dict[str, Engine]) -> pd.DataFrame:
     if "hf" not in engines:
         df["pct_of_hf"] = df["pct_of_hf_min"] = df["pct_of_hf_max"] = float("nan")
     first = ["chapter", "engine", "model", "device", "device_name", "dtype", "batch_size",
-             "prompt_len", "new_tokens", "repeats", "tok_s", "step_ms", "ttft_ms", "tpot_ms",
+             "prompt_len", "new_tokens", "repeats", "tok_s", "decode_tok_s", "step_ms", "ttft_ms",
+             "tpot_ms",
              "pct_of_hf", "pct_of_hf_min", "pct_of_hf_max", "floor_ms", "pct_of_floor"]
     return df[first + [c for c in df.columns if c not in first]]
 

@@ -54,9 +54,13 @@ def read_results(path) -> pd.DataFrame:
     return pd.read_csv(path, dtype=TEXT_COLUMNS)
 
 
+def _is_sweep(path) -> bool:
+    return path.name.endswith("-context.csv")
+
+
 def recorded_results(chapter: str) -> pd.DataFrame:
-    """Every device's CSV for a chapter, written by ``make chapter-NN`` runs."""
-    files = sorted((RESULTS / f"ch{chapter}").glob("*.csv"))
+    """Every device's benchmark CSV for a chapter, written by ``make chapter-NN`` runs."""
+    files = sorted(f for f in (RESULTS / f"ch{chapter}").glob("*.csv") if not _is_sweep(f))
     if not files:
         return pd.DataFrame()
     return pd.concat([read_results(f) for f in files], ignore_index=True)
@@ -75,7 +79,7 @@ def results_markdown() -> str:
     needed = {"engine", "batch_size", "tok_s", "pct_of_hf"}
     for path in sorted(RESULTS.glob("ch*/*.csv")):
         dev = read_results(path)
-        if not needed <= set(dev.columns):
+        if not needed <= set(dev.columns) or _is_sweep(path):
             continue  # profiles, serving runs: their chapters show them
         table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
         cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
@@ -116,6 +120,30 @@ def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.Da
     return cells
 
 
+def ablation_table(df: pd.DataFrame, steps: list[tuple[str, str, str]]) -> pd.DataFrame:
+    """Each ``(before, after, change)`` in ``steps``: the change in median % of hf from stage
+    ``before`` to ``after``, per device and batch size, and whether the run can tell it from
+    noise (the two stages' per-repeat ranges do not overlap; runs without ranges: unknown)."""
+    rows = []
+    has_spread = "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all()
+    for (device, batch), dev in df.groupby(["device_name", "batch_size"], sort=False):
+        stage = dev.set_index("engine")
+        for before, after, change in steps:
+            if before not in stage.index or after not in stage.index:
+                continue
+            a, b = stage.loc[before], stage.loc[after]
+            if has_spread:
+                apart = a.pct_of_hf_max < b.pct_of_hf_min or b.pct_of_hf_max < a.pct_of_hf_min
+                verdict = "yes" if apart else "no (ranges overlap)"
+            else:
+                verdict = "unknown (no per-repeat ranges)"
+            rows.append({"device_name": device, "batch_size": batch, "change": change,
+                         "from": before, "to": after,
+                         "points of hf": round(b.pct_of_hf - a.pct_of_hf, 1),
+                         "outside noise": verdict})
+    return pd.DataFrame(rows).set_index(["device_name", "batch_size", "change"])
+
+
 def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
     """:func:`pct_of_hf_table` with each cell's per-repeat range: "97% [91-104]" is a median
     paired ratio of 97% whose repeats ranged from 91% to 104%. Where two engines' ranges
@@ -123,25 +151,178 @@ def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
     return _pct_cells(df, ["device_name", "model", "dtype", "batch_size"])
 
 
+def load_note(df: pd.DataFrame) -> str:
+    """One line on how busy the machine was while ``df`` was recorded (the load guard's
+    columns): a run with competing work is marked "recorded on a busy machine"."""
+    if "busy" not in df.columns:
+        return "load: not recorded yet (this run predates the load guard)"
+    busy = df[df.busy.astype(str).str.lower() == "true"]
+    worst = df[["load_before", "load_after"]].max().max()
+    steal = df.steal_pct.max() if "steal_pct" in df.columns else float("nan")
+    steal_text = f", CPU steal up to {steal:.1f}%" if steal == steal else ""
+    if busy.empty:
+        return f"load: quiet machine (load per core up to {worst:.2f}{steal_text})"
+    return (f"RECORDED ON A BUSY MACHINE: {len(busy)} of {len(df)} rows saw competing work "
+            f"(load per core up to {worst:.2f}{steal_text}); read its numbers with care")
+
+
+def device_table() -> pd.DataFrame:
+    """The speed of light of every recorded device (``data/results/devices.csv``)."""
+    from .devices import DEVICES_CSV
+
+    return pd.read_csv(DEVICES_CSV) if DEVICES_CSV.exists() else pd.DataFrame()
+
+
 def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens / s",
                    floor: bool = True):
-    """One panel per recorded device: ``value`` vs batch size, a line per engine, and the
-    speed-of-light ceiling (batch / floor step time) when ``floor``."""
+    """One column per recorded device: ``value`` vs batch size, a line per engine; with
+    ``floor``, a second row gives each engine's step time as % of the speed of light (the
+    floor step: weights and K/V over the bandwidth, or FLOPs over peak compute where that takes
+    longer, marked under the batch size). The floor gets its own axis so that, several times
+    above the engines, it does not flatten their lines."""
     import matplotlib.pyplot as plt
 
     devices = list(dict.fromkeys(df.device_name))
-    fig, axes = plt.subplots(1, len(devices), figsize=(5.5 * len(devices), 4), squeeze=False)
-    for ax, name in zip(axes[0], devices, strict=True):
+    rows = 2 if floor and "pct_of_floor" in df.columns else 1
+    fig, axes = plt.subplots(rows, len(devices), figsize=(5.5 * len(devices), 3.6 * rows),
+                             squeeze=False)
+    for col, name in enumerate(devices):
         dev = df[df.device_name == name]
-        for engine, rows in dev.groupby("engine", sort=False):
-            ax.plot(rows.batch_size, rows[value], marker="o", label=engine)
-        if floor and value == "tok_s":
-            ceiling = dev.drop_duplicates("batch_size")
-            ax.plot(ceiling.batch_size, ceiling.batch_size / ceiling.floor_ms * 1e3, "k--",
-                    label="speed of light")
+        batches = sorted(dev.batch_size.unique())
+        ax = axes[0][col]
+        for engine, group in dev.groupby("engine", sort=False):
+            ax.plot(group.batch_size, group[value], marker="o", label=engine)
         ax.set(title=f"{name}\n{dev.model.iloc[0]}, {dev.dtype.iloc[0]}", xlabel="batch size",
-               ylabel=ylabel, xticks=sorted(dev.batch_size.unique()))
-        ax.legend()
+               ylabel=ylabel, xticks=batches)
+        ax.legend(fontsize="small")
+        if rows == 2:
+            ax = axes[1][col]
+            for engine, group in dev.groupby("engine", sort=False):
+                ax.plot(group.batch_size, group.pct_of_floor, marker="o", label=engine)
+            ax.axhline(100, color="k", ls="--", lw=1)
+            bound = (dev.drop_duplicates("batch_size").set_index("batch_size").floor_bound
+                     if "floor_bound" in dev.columns else pd.Series("memory", index=batches))
+            ax.set(xlabel="batch size (bound of the floor)", ylabel="% of speed of light",
+                   ylim=(0, max(105, dev.pct_of_floor.max() * 1.1)), xticks=batches,
+                   xticklabels=[f"{b}\n{bound.get(b, 'memory')}" for b in batches])
+    fig.tight_layout()
+    return fig
+
+
+def plot_what_it_buys(df: pd.DataFrame, baseline: str = "hf"):
+    """What each stage buys, per recorded device: % of ``baseline``'s tok/s per stage and batch
+    size (the median paired ratio; whiskers: the lowest and highest single repeat's ratio,
+    where recorded), then the two phases of that end-to-end figure apart: decode-only tok/s
+    and time to first token (prefill)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    devices = list(dict.fromkeys(df.device_name))
+    fig, axes = plt.subplots(len(devices), 3, figsize=(15, 3.8 * len(devices)), squeeze=False)
+    for row, name in enumerate(devices):
+        dev = df[df.device_name == name]
+        batches = sorted(dev.batch_size.unique())
+        engines = [e for e in dict.fromkeys(dev.engine) if e != baseline]
+        ax = axes[row][0]
+        width = 0.8 / max(len(engines), 1)
+        for i, engine in enumerate(engines):
+            rows = dev[dev.engine == engine].set_index("batch_size").reindex(batches)
+            x = np.arange(len(batches)) + (i - (len(engines) - 1) / 2) * width
+            err = None
+            if {"pct_of_hf_min", "pct_of_hf_max"} <= set(rows.columns) \
+                    and rows.pct_of_hf_min.notna().all():
+                err = [rows.pct_of_hf - rows.pct_of_hf_min, rows.pct_of_hf_max - rows.pct_of_hf]
+            ax.bar(x, rows.pct_of_hf, width, yerr=err, capsize=3, label=engine)
+        ax.axhline(100, color="k", lw=1)
+        low = dev.get("pct_of_hf_min", dev.pct_of_hf).min()
+        ax.set(xticks=range(len(batches)), xticklabels=batches, xlabel="batch size",
+               ylabel=f"% of {baseline} tok/s (end to end)",
+               ylim=(min(50, low - 5), None), title=f"{name}: what each stage buys")
+        ax.legend(fontsize="small", loc="lower left")
+        decode = (dev.decode_tok_s if "decode_tok_s" in dev.columns
+                  else dev.batch_size / dev.step_ms * 1e3)  # older runs: from the median step
+        for engine, group in dev.assign(decode=decode).groupby("engine", sort=False):
+            axes[row][1].plot(group.batch_size, group.decode, marker="o", label=engine)
+            axes[row][2].plot(group.batch_size, group.ttft_ms, marker="o", label=engine)
+        axes[row][1].set(xlabel="batch size", ylabel="decode-only tokens / s", xticks=batches,
+                         title="decode (tokens after the first)")
+        axes[row][2].set(xlabel="batch size", ylabel="ms", xticks=batches,
+                         title="time to first token (prefill)")
+        axes[row][2].legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def recorded_context_sweeps(chapter: str) -> pd.DataFrame:
+    """Every device's context-length sweep for a chapter (``chNN/<device>-context.csv``);
+    empty until ``make chapter-NN`` has recorded one."""
+    files = sorted((RESULTS / f"ch{chapter}").glob("*-context.csv"))
+    if not files:
+        return pd.DataFrame()
+    return pd.concat([read_results(f) for f in files], ignore_index=True)
+
+
+SWEEP_PHASES = ("gather_batch_kv", "build_cache", "write_decode_kv", "model_forward")
+
+
+def context_phase_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per device, engine and context length: the plain decode step and the profiled run's ms
+    per step in each phase (phases an engine does not have are left blank)."""
+    cols = ["step_ms", "pct_of_hf"] + [f"{p}_ms" for p in SWEEP_PHASES if f"{p}_ms" in df] \
+        + (["unlabelled_ms"] if "unlabelled_ms" in df else [])
+    return df.set_index(["device_name", "engine", "context_len"])[cols].round(1)
+
+
+def context_sentences(df: pd.DataFrame) -> list[str]:
+    """What a context sweep shows, as sentences computed from it: each engine's decode step from
+    the shortest to the longest context, and the paged stages' K/V bookkeeping (gather + build +
+    write, profiled) over the same range."""
+    lines = []
+    kv_cols = [f"{p}_ms" for p in SWEEP_PHASES[:3] if f"{p}_ms" in df]
+    for name, dev in df.groupby("device_name", sort=False):
+        short, long = dev.context_len.min(), dev.context_len.max()
+        lines.append(f"{name}, batch {dev.batch_size.iloc[0]}, context {short} -> {long}:")
+        for engine, rows in dev.groupby("engine", sort=False):
+            rows = rows.set_index("context_len")
+            line = (f"  {engine}: decode step {rows.step_ms[short]:.1f} -> {rows.step_ms[long]:.1f}"
+                    f" ms ({rows.step_ms[long] / rows.step_ms[short]:.2f}x), "
+                    f"{rows.pct_of_hf[short]:.0f}% -> {rows.pct_of_hf[long]:.0f}% of hf's step")
+            if engine != "hf" and kv_cols:
+                kv = rows[kv_cols].fillna(0).sum(axis=1)
+                line += (f"; K/V bookkeeping {kv[short]:.1f} -> {kv[long]:.1f} ms per profiled "
+                         f"step ({100 * kv[long] / rows.profiled_step_ms[long]:.0f}% of it at "
+                         f"{long})")
+            lines.append(line)
+    return lines
+
+
+def plot_context_sweep(df: pd.DataFrame):
+    """Per recorded device: decode step time vs context length per engine (with the floor), and
+    the paged stages' K/V phases (gather + build + write, from the profiled run) vs context."""
+    import matplotlib.pyplot as plt
+
+    devices = list(dict.fromkeys(df.device_name))
+    fig, axes = plt.subplots(len(devices), 2, figsize=(12, 4 * len(devices)), squeeze=False)
+    for row, name in enumerate(devices):
+        dev = df[df.device_name == name]
+        ax = axes[row][0]
+        for engine, group in dev.groupby("engine", sort=False):
+            ax.plot(group.context_len, group.step_ms, marker="o", label=engine)
+        floor = dev.drop_duplicates("context_len")
+        ax.plot(floor.context_len, floor.floor_ms, "k--", label="speed of light")
+        ax.set(xscale="log", xlabel="context length (tokens per request)",
+               ylabel="ms per decode step", title=f"{name}: batch {dev.batch_size.iloc[0]}")
+        ax.set_xticks(sorted(dev.context_len.unique()), map(str, sorted(dev.context_len.unique())))
+        ax.legend(fontsize="small")
+        ax = axes[row][1]
+        kv_cols = [f"{p}_ms" for p in SWEEP_PHASES[:3] if f"{p}_ms" in dev]
+        for engine, group in dev[dev.engine != "hf"].groupby("engine", sort=False):
+            ax.plot(group.context_len, group[kv_cols].fillna(0).sum(axis=1), marker="o",
+                    label=engine)
+        ax.set(xscale="log", xlabel="context length", ylabel="ms per step (profiled)",
+               title="K/V bookkeeping: gather + build + write")
+        ax.set_xticks(sorted(dev.context_len.unique()), map(str, sorted(dev.context_len.unique())))
+        ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
 
@@ -150,30 +331,60 @@ TIMELINE_COLORS = {"decode_step": "#dddddd", "prepare_inputs": "tab:orange",
                    "model_forward": "tab:blue", "sample": "tab:green", "read_tokens": "tab:red"}
 
 
+def _timeline_lane(lane: str, name: str) -> str:
+    """Which row of the Gantt chart a bar goes on: the device's kernels (CUDA), the forward (on a
+    CPU the forward is the compute: the host runs it itself) and the host's bookkeeping."""
+    if lane == "device":
+        return "device kernels"
+    return "forward" if name == "model_forward" else "host"
+
+
 def plot_timelines(bars: pd.DataFrame, title: str = ""):
-    """Gantt chart of :func:`miniinfer.profiling.timeline` bars, one row per engine and lane
-    (host ranges; CUDA kernels on a ``device`` row where there are any). Steps are drawn grey,
-    their phases on top."""
+    """Gantt chart of :func:`miniinfer.profiling.timeline` bars, per engine a ``host`` row (the
+    step as the host sees it, grey, with its bookkeeping phases on top), a ``forward`` row and,
+    on a GPU, a ``device kernels`` row. White space on the forward (or device) row is time the
+    compute waits for the host."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    lanes = list(dict.fromkeys(zip(bars.engine, bars.lane, strict=True)))
-    fig, ax = plt.subplots(figsize=(11, 0.55 * len(lanes) + 1.2))
-    for y, (engine, lane) in enumerate(lanes):
-        rows = bars[(bars.engine == engine) & (bars.lane == lane)]
+    bars = bars.assign(row=[_timeline_lane(lane, name)
+                            for lane, name in zip(bars.lane, bars.name, strict=True)])
+    lanes = list(dict.fromkeys(zip(bars.engine, bars.row, strict=True)))
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(lanes) + 1.4))
+    for y, (engine, row) in enumerate(lanes):
+        rows = bars[(bars.engine == engine) & (bars.row == row)]
         for name, group in rows.groupby("name", sort=False):
             step = name == "decode_step"
             ax.broken_barh(list(zip(group.start_ms, group.dur_ms, strict=True)),
                            (y - (0.4 if step else 0.3), 0.8 if step else 0.6),
                            color=TIMELINE_COLORS.get(name, "tab:purple"), zorder=1 if step else 2)
-    ax.set_yticks(range(len(lanes)), [f"{engine}\n{lane}" for engine, lane in lanes])
+    ax.set_yticks(range(len(lanes)), [f"{engine}: {row}" for engine, row in lanes])
     ax.invert_yaxis()
     ax.set(xlabel="ms from the first step's start", title=title)
     ax.legend(handles=[Patch(color=c, label=n) for n, c in TIMELINE_COLORS.items()]
               + ([Patch(color="tab:purple", label="CUDA kernel")] if "device" in set(bars.lane)
-                 else []), loc="upper left", bbox_to_anchor=(1, 1))
+                 else []), loc="upper left", bbox_to_anchor=(1, 1), fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def host_split(bars: pd.DataFrame) -> pd.DataFrame:
+    """Per engine, from timeline bars: the mean decode step as the host sees it, the forward in
+    it, the host bookkeeping (the rest of the step: inputs, sampling, waiting for tokens, and
+    what no range covers) and the gap between one step's end and the next one's start."""
+    rows = []
+    for engine, group in bars[bars.lane == "host"].groupby("engine", sort=False):
+        steps = group[group.name == "decode_step"].sort_values("start_ms")
+        total = steps.dur_ms.sum()
+        forward = group[group.name == "model_forward"].dur_ms.sum()
+        gaps = (steps.start_ms.iloc[1:].to_numpy()
+                - (steps.start_ms + steps.dur_ms).iloc[:-1].to_numpy())
+        rows.append({"engine": engine, "steps": len(steps), "step_ms": total / len(steps),
+                     "forward_ms": forward / len(steps),
+                     "bookkeeping_ms": (total - forward) / len(steps),
+                     "bookkeeping_pct": 100 * (total - forward) / total,
+                     "between_steps_ms": gaps.mean() if len(gaps) else float("nan")})
+    return pd.DataFrame(rows).set_index("engine")
 
 
 def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
@@ -181,10 +392,11 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     """Each stage's % of the decode floor per device and batch size, from the chapters'
     recorded benchmarks (a stage measured in several chapters: its latest chapter's run).
 
-    Every run measures the copy bandwidth its floor is based on, and on a shared machine that
-    measurement varies from run to run; so that runs of different chapters compare, each row's
-    share is rescaled to one bandwidth per device, the median of its runs' (the share is
-    bytes per step / bandwidth / step time, so it scales with 1 / bandwidth)."""
+    Runs recorded before the device table measured their own copy bandwidth, which varies from
+    run to run on a shared machine; so that runs of different chapters compare, each row's
+    share is rescaled to one bandwidth per device: the device table's (``devices.csv``) where
+    it has the device, else the median of its runs' (the share is bytes per step / bandwidth /
+    step time, so it scales with 1 / bandwidth; a compute-bound floor is not rescaled)."""
     frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
     if not frames:
         return pd.DataFrame()
@@ -193,7 +405,14 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     # One bandwidth per run (a run's rows share it), then the median over a device's runs.
     per_run = df.drop_duplicates(["device_name", "bandwidth_gbs"])
     device_bandwidth = df.device_name.map(per_run.groupby("device_name").bandwidth_gbs.median())
-    df = df.assign(pct_of_floor=df.pct_of_floor * df.bandwidth_gbs / device_bandwidth)
+    table = device_table()
+    if not table.empty:
+        recorded = df.device_name.map(table.set_index("name").bandwidth_gbs)
+        device_bandwidth = recorded.fillna(device_bandwidth)
+    compute_bound = (df.floor_bound.eq("compute") if "floor_bound" in df
+                     else pd.Series(False, index=df.index))
+    df = df.assign(pct_of_floor=df.pct_of_floor.where(
+        compute_bound, df.pct_of_floor * df.bandwidth_gbs / device_bandwidth))
     return tok_s_table(df, "pct_of_floor")
 
 

@@ -250,6 +250,16 @@ def cmd_repro(args: argparse.Namespace) -> None:
         reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
 
 
+def cmd_device(args: argparse.Namespace) -> None:
+    from .devices import DEVICES_CSV, device_speed
+    from .models import resolve_device
+
+    speed = device_speed(resolve_device(args.device), store=args.measure, remeasure=args.measure)
+    print(f"{speed.slug}: {speed.name}, {speed.bandwidth_gbs} GB/s, {speed.peak_gflops} GFLOP/s "
+          f"({speed.how_measured}; {speed.date})"
+          + (f"; written to {DEVICES_CSV}" if args.measure else ""))
+
+
 def cmd_results(args: argparse.Namespace) -> None:
     from .book import results_markdown
 
@@ -320,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("results", help="recorded results as markdown tables").set_defaults(
         func=cmd_results)
+
+    device = sub.add_parser("device", help="this device's speed of light (data/results/devices.csv)")
+    device.add_argument("--device", default="auto")
+    device.add_argument("--measure", action="store_true",
+                        help="measure now (on a quiet machine) and store it in the device table")
+    device.set_defaults(func=cmd_device)
 
     repro = sub.add_parser("repro", help="rerun a chapter's benchmark here and re-execute its "
                                          "notebook; 'all': every chapter in order")

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +45,43 @@ class Trace:
         return con.execute(query, params or []).df()
 
 
+@contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """Hide what C++ code writes straight to file descriptor 2 (the profiler's ``USDT ...
+    profiler_start`` lines, which a notebook shows as red noise). Only the profiler's start and
+    stop run inside: errors of the profiled code still reach stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: int = 2,
-                   trace_path: str | Path | None = None) -> Trace:
+                   trace_path: str | Path | None = None, warm: bool = True) -> Trace:
     """Profile one generate of ``warmup_steps + steps`` tokens. The first ``warmup_steps``
-    decode windows are kept in the trace but left out of the per-step figures."""
+    decode windows are kept in the trace but left out of the per-step figures. ``warm``: run
+    the same generate once unprofiled first (skip it when the engine has just run these
+    shapes: a long prefill is the costly part)."""
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     # +1: the first token comes from prefill, not from a decode step.
     params = SamplingParams(max_new_tokens=warmup_steps + steps + 1, ignore_eos=True)
-    engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
-    with profile(activities=activities) as prof:
+    if warm:
+        engine.generate(prompts, params)  # warm the allocator and kernels outside the trace
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():
+        prof.start()
+    try:
         engine.generate(prompts, params)
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(raw))
@@ -82,14 +111,26 @@ _STEPS_SQL = """
 
 def phase_table(trace: Trace) -> pd.DataFrame:
     """CPU ms per decode step for each labelled phase, its share of the step, and what is left
-    unlabelled. Phases are the ranges nested directly in the step window."""
+    unlabelled. A phase that runs inside another (``write_decode_kv`` inside ``model_forward``
+    when attention writes the cache) names its parent in ``inside`` and is not subtracted again:
+    unlabelled time is the step minus the outermost phases only."""
     query = _STEPS_SQL + """
-        , measured AS (SELECT * FROM steps WHERE step >= 0)
-        SELECT e.name AS phase, sum(e.dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step
-        FROM events e JOIN measured s
-          ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
-        WHERE e.cat = 'user_annotation' AND e.name IN (SELECT unnest($phases))
-        GROUP BY e.name
+        , measured AS (SELECT * FROM steps WHERE step >= 0),
+        ranges AS (
+            SELECT e.name, e.ts, e.ts + e.dur AS te, e.dur, e.tid FROM events e JOIN measured s
+              ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
+            WHERE e.cat = 'user_annotation' AND e.name IN (SELECT unnest($phases))
+        ),
+        parents AS (
+            SELECT r.name, r.ts, r.dur,
+                   (SELECT min(p.name) FROM ranges p
+                    WHERE p.tid = r.tid AND p.ts <= r.ts AND p.te >= r.te
+                      AND (p.ts, p.te, p.name) <> (r.ts, r.te, r.name)) AS inside
+            FROM ranges r
+        )
+        SELECT name AS phase, sum(dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step,
+               coalesce(min(inside), '') AS inside
+        FROM parents GROUP BY name
     """
     params = {"warmup": trace.warmup_steps, "step_name": STEP, "phases": list(PHASES)}
     df = trace.sql(query, params)
@@ -97,9 +138,10 @@ def phase_table(trace: Trace) -> pd.DataFrame:
                         {"warmup": trace.warmup_steps, "step_name": STEP}).ms.iloc[0]
     order = {name: i for i, name in enumerate(PHASES)}
     df = df.sort_values("phase", key=lambda s: s.map(order)).reset_index(drop=True)
-    unlabelled = step_ms - df.ms_per_step.sum()
-    df = pd.concat([df, pd.DataFrame([{"phase": "(unlabelled)", "ms_per_step": unlabelled},
-                                      {"phase": STEP, "ms_per_step": step_ms}])],
+    unlabelled = step_ms - df.ms_per_step[df.inside == ""].sum()
+    df = pd.concat([df, pd.DataFrame([{"phase": "(unlabelled)", "ms_per_step": unlabelled,
+                                       "inside": ""},
+                                      {"phase": STEP, "ms_per_step": step_ms, "inside": ""}])],
                    ignore_index=True)
     df["share_of_step"] = df.ms_per_step / step_ms
     return df
@@ -125,12 +167,45 @@ def ops_in_window(trace: Trace, range_name: str, step: int = 0) -> pd.DataFrame:
 
 
 def top_ops(trace: Trace, limit: int = 15, device: bool = False) -> pd.DataFrame:
-    """The heaviest operators (CPU) or kernels (``device=True``, CUDA only) over the whole run."""
-    cat = "kernel" if device else "cpu_op"
-    return trace.sql(
-        "SELECT name, count(*) AS count, sum(dur) / 1e3 AS total_ms FROM events "
-        "WHERE cat = $cat GROUP BY name ORDER BY total_ms DESC LIMIT $limit",
-        {"cat": cat, "limit": limit})
+    """The heaviest operators inside the measured decode steps (CPU, ms per step), or on CUDA
+    the heaviest kernels (``device=True``) over the whole profiled run (kernels run on the
+    device's own timeline, outside the host's step windows). Prefill and warm-up steps are left
+    out of the CPU figures: a one-off cost there would otherwise read as a per-step one."""
+    if device:
+        return trace.sql(
+            "SELECT name, count(*) AS count, sum(dur) / 1e3 AS total_ms FROM events "
+            "WHERE cat = 'kernel' GROUP BY name ORDER BY total_ms DESC LIMIT $limit",
+            {"limit": limit})
+    query = _STEPS_SQL + """
+        , measured AS (SELECT * FROM steps WHERE step >= 0)
+        SELECT e.name, count(*) / (SELECT count(*) FROM measured) AS count_per_step,
+               sum(e.dur) / 1e3 / (SELECT count(*) FROM measured) AS ms_per_step
+        FROM events e JOIN measured s ON e.tid = s.tid AND e.ts >= s.ts AND e.ts + e.dur <= s.te
+        WHERE e.cat = 'cpu_op'
+        GROUP BY e.name ORDER BY ms_per_step DESC LIMIT $limit
+    """
+    return trace.sql(query, {"warmup": trace.warmup_steps, "step_name": STEP, "limit": limit})
+
+
+def phase_repeats(lm, engine: str, batch_sizes: tuple[int, ...], prompt_len: int, steps: int,
+                  repeats: int, warmup_steps: int = 2) -> pd.DataFrame:
+    """:func:`phase_table` of ``engine`` profiled ``repeats`` times at each batch size, the
+    repeats interleaved across batch sizes: per batch size and phase the median ms per step,
+    its lowest and highest repeat (``ms_min``, ``ms_max``), the median share of the step and
+    the ``inside`` of nested phases."""
+    from .bench import make_prompts
+    from .engines import make_engine
+
+    eng = make_engine(engine, lm)
+    prompts = {b: make_prompts(lm, b, prompt_len) for b in batch_sizes}
+    runs = [phase_table(profile_decode(eng, prompts[b], steps, warmup_steps))
+            .assign(batch_size=b, repeat=r) for r in range(repeats) for b in batch_sizes]
+    df = pd.concat(runs, ignore_index=True)
+    agg = df.groupby(["batch_size", "phase"], sort=False).agg(
+        ms_per_step=("ms_per_step", "median"), ms_min=("ms_per_step", "min"),
+        ms_max=("ms_per_step", "max"), share_of_step=("share_of_step", "median"),
+        inside=("inside", "first")).reset_index()
+    return agg.assign(engine=engine, repeats=repeats)
 
 
 def device_phase_ms(trace: Trace) -> pd.DataFrame:
@@ -182,7 +257,7 @@ class DecodeProfile:
 
     phases: pd.DataFrame  # batch_size, phase, ms_per_step, share_of_step[, device_ms_per_step]
     ops: pd.DataFrame  # engine, batch_size, window, name, count, total_ms, avg_us
-    top: pd.DataFrame  # batch_size, kind (cpu_op / kernel), name, count, total_ms
+    top: pd.DataFrame  # batch_size, kind, name; cpu_op: count_per_step, ms_per_step; kernel: count, total_ms
     traces: dict[tuple[str, int], Trace]
 
 

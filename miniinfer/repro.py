@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from .bench import BenchConfig, run_bench, summary_table
-from .devices import REPO_ROOT, device_slug
+from .devices import REPO_ROOT, device_slug, device_speed
 from .errors import UnknownNameError
 from .models import MODELS, LoadedModel, load_model, resolve_device
 from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
@@ -121,7 +121,7 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
                             "engines": run.engines_for(dev), "chapter": chapter})
     lm = lm or load_model(model, device=dev)
-    df = run_bench(lm, config)
+    df = run_bench(lm, config, speed=device_speed(dev, store=True))
     print(summary_table(df).to_string(index=False))
     out = results_path(chapter, dev)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -130,11 +130,107 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
     return out
 
 
-def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
-    """Profile ``paged-prealloc`` (phases, top ops/kernels) and ``paged-loop`` (op counts) at
-    batch 1/4/8, and benchmark hf vs paged-prealloc with ranges on and off in one run."""
+@dataclass(frozen=True, slots=True)
+class ContextSweep:
+    """Chapters 03/04/06's context-length sweep: batch ``batch_size`` at each prompt length, one
+    plain run per engine (decode step time) and, for the paged stages, one profiled run
+    (per-phase ms per step). Fewer tokens and no repeats, unlike the chapter's benchmark: its
+    long prefills are what cost time (a batch of 8 x 1024 tokens takes ~10 s on 2 cores)."""
+
+    context_lens: tuple[int, ...]
+    batch_size: int = 8
+    new_tokens: int = 16
+    profiled_steps: int = 4
+
+
+def context_sweep(device: torch.device) -> ContextSweep:
+    if device.type == "cuda":
+        return ContextSweep((128, 512, 1024, 2048, 4096), new_tokens=32, profiled_steps=8)
+    # About 2-3 minutes per chapter on 2 cores; 2048 would more than double it (prefill).
+    return ContextSweep((128, 256, 512, 1024))
+
+
+# The stages each chapter sweeps: hf and the chapter's paged stages (HF's-modules variant of
+# paged-attention left out: its ablation is chapter 06's benchmark).
+CONTEXT_SWEEP_ENGINES = {
+    "03": ("hf", "paged-loop", "paged-vectorized"),
+    "04": ("hf", "paged-loop", "paged-vectorized", "paged-prealloc"),
+    "06": ("hf", "paged-vectorized", "paged-prealloc", "paged-attention"),
+}
+
+
+def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
+                      chapter: str = "") -> pd.DataFrame:
+    """One row per engine x context length: plain decode ``step_ms``, ``decode_tok_s``,
+    ``ttft_ms``, ``pct_of_hf`` (decode step, hf's over the engine's), the decode floor, and for
+    paged stages ``<phase>_ms`` per step from a profiled run (``profiled_step_ms`` is that run's
+    step: the profiler adds its own cost per op, so read phases as shares of it)."""
+    from .bench import make_prompts, own_threads, run_metrics
+    from .devices import LoadGuard, decode_floor, run_metadata
     from .engines import make_engine
-    from .profiling import RangesOff, profile_stages
+    from .profiling import phase_table, profile_decode
+    from .sampling import SamplingParams
+
+    made = {name: make_engine(name, lm) for name in engines}
+    params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)
+    meta = run_metadata(lm.device)
+    warm = make_prompts(lm, sweep.batch_size, min(sweep.context_lens))
+    for engine in made.values():
+        engine.generate(warm, params)
+    rows = []
+    for context_len in sweep.context_lens:
+        prompts = make_prompts(lm, sweep.batch_size, context_len)
+        floor = decode_floor(lm, sweep.batch_size, context_len + sweep.new_tokens // 2,
+                             speed.bandwidth, speed.peak_flops)
+        with LoadGuard(own_threads(lm)) as load:
+            measured = {}
+            for name, engine in made.items():
+                result = engine.generate(prompts, params)
+                row = run_metrics(result, sweep.batch_size, sweep.new_tokens)
+                if name != "hf":
+                    trace = profile_decode(engine, prompts, sweep.profiled_steps, warmup_steps=1,
+                                           warm=False)
+                    phases = phase_table(trace).set_index("phase").ms_per_step
+                    row |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
+                            for k, v in phases.items()}
+                measured[name] = row
+        load.warn(f"context {context_len}")
+        for name, row in measured.items():
+            hf_step = measured["hf"]["step_ms"] if "hf" in measured else float("nan")
+            rows.append({"chapter": chapter, "engine": name, "model": lm.name,
+                         "dtype": str(lm.dtype).removeprefix("torch."),
+                         "batch_size": sweep.batch_size, "context_len": context_len,
+                         "new_tokens": sweep.new_tokens, **row,
+                         "pct_of_hf": 100 * hf_step / row["step_ms"],
+                         "floor_ms": floor.step_ms, "floor_bound": floor.bound,
+                         "kv_mb_per_step": floor.kv_bytes / 2**20,
+                         "pct_of_floor": 100 * floor.step_ms / row["step_ms"],
+                         **load.columns(), **meta})
+    return pd.DataFrame(rows)
+
+
+def run_chapter_context(chapter: str, device: str | torch.device | None = "auto") -> Path:
+    """The context sweep of ``chapter`` on this device -> ``chNN/<device>-context.csv``."""
+    dev = resolve_device(device)
+    model, _ = default_workload(dev)
+    lm = load_model(model, device=dev)
+    df = run_context_sweep(lm, CONTEXT_SWEEP_ENGINES[chapter], context_sweep(dev),
+                           device_speed(dev, store=True), chapter)
+    print(df.pivot_table(index="context_len", columns="engine", values="step_ms",
+                         sort=False).round(1).to_string())
+    out = RESULTS / f"ch{chapter}" / f"{device_slug(dev)}-context.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(f"wrote {out.relative_to(REPO_ROOT)}")
+    return out
+
+
+def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
+    """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
+    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; then
+    benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    from .engines import make_engine
+    from .profiling import RangesOff, phase_repeats, profile_stages
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
@@ -144,17 +240,23 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     steps = chapter05_profile_steps(dev)
     prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
                           trace_prefix=f"{slug}-")
+    phases = phase_repeats(lm, "paged-prealloc", base.batch_sizes, base.prompt_len, steps,
+                           repeats=5)
+    if "device_ms_per_step" in prof.phases:  # CUDA: the device time of one profiled run
+        phases = phases.merge(prof.phases[["batch_size", "phase", "device_ms_per_step"]],
+                              on=["batch_size", "phase"], how="left")
     prealloc = make_engine("paged-prealloc", lm)
     config = BenchConfig(**{**{f: getattr(base, f) for f in base.__slots__},
                             "engines": ("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
                             "chapter": "05"})
     bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
-                                   "paged-prealloc/ranges-off": RangesOff(prealloc)})
+                                   "paged-prealloc/ranges-off": RangesOff(prealloc)},
+                      speed=device_speed(dev, store=True))
     print(summary_table(bench).to_string(index=False))
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
                           "git_sha", "date"]].to_dict()
     written = []
-    for kind, df in (("phases", prof.phases), ("ops", prof.ops), ("top", prof.top),
+    for kind, df in (("phases", phases), ("ops", prof.ops), ("top", prof.top),
                      ("bench", bench)):
         path = out_dir / f"{slug}-{kind}.csv"
         df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)
@@ -178,7 +280,7 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     prompts = make_prompts(lm, 8, base.prompt_len)
     bars = []
     for name in CHAPTERS["07"].engines_for(dev):
-        if name.startswith("async"):
+        if name.startswith("async") or name == "paged-attention":
             trace = profile_decode(make_engine(name, lm), prompts, steps=4)
             bars.append(timeline(trace).assign(engine=name, batch_size=8))
     # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
@@ -289,6 +391,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         run_chapter_bench(chapter, dev)
     else:
         run.record(dev)
+    if chapter in CONTEXT_SWEEP_ENGINES:
+        run_chapter_context(chapter, dev)
     # The chapter's model is garbage by now: give its memory back before the notebook's kernel
     # (or the next chapter) loads one of its own.
     gc.collect()
@@ -437,7 +541,7 @@ def chapter05_plan(device: torch.device) -> ChapterPlan:
 
 
 def chapter05_profile_steps(device: torch.device) -> int:
-    return 20 if device.type == "cuda" else 6
+    return 20 if device.type == "cuda" else 8
 
 
 def chapter07_plan(device: torch.device) -> ChapterPlan:

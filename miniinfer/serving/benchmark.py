@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 import pandas as pd
 from tqdm import tqdm
 
-from ..devices import run_metadata
+from ..bench import own_threads
+from ..devices import LoadGuard, run_metadata
 from ..errors import InvalidRequestError, keep_on_interrupt
 from ..models import LoadedModel
 from .metrics import request_table, step_table, summarize
@@ -128,10 +129,12 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
                                          leave=False):
             if config.warmup:
                 worker.run(systems.serve, system, budget or budgets[0], warmup)
-            run = worker.run(systems.serve, system, budget or budgets[0], workloads[rate])
+            with LoadGuard(own_threads(lm)) as load:
+                run = worker.run(systems.serve, system, budget or budgets[0], workloads[rate])
+            load.warn(f"{system} at {rate} req/s")
             run_tags = {**tags, "system": system, "request_rate": rate,
                         "max_num_batched_tokens": budget or math.nan}
-            runs.append({**run_tags, **summarize(run)})
+            runs.append({**run_tags, **summarize(run), **load.columns()})
             requests.append(request_table(run).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))
