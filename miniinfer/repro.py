@@ -38,6 +38,8 @@ class ChapterRun:
 # Each chapter benchmarks the stages it compares in one run, so its ratios are like for like.
 _STAGES = ("hf", "naive", "paged-loop", "paged-vectorized", "paged-prealloc", "paged-attention")
 CHAPTERS: dict[str, ChapterRun] = {
+    # The overview measures nothing: it reads data/results, so its run only re-executes it.
+    "00": ChapterRun("00_overview.ipynb", ()),
     "01": ChapterRun("01_naive_hf_decode.ipynb", _STAGES[:2]),
     "02": ChapterRun("02_paged_kv_cache.ipynb", _STAGES[:3]),
     # From chapter 03 on, naive (== hf within noise, chapter 01) is left out to save time.
@@ -244,7 +246,9 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
     chapter = chapter.zfill(2)
     if chapter not in CHAPTERS:
         raise UnknownNameError(f"unknown chapter {chapter!r}; chapters: {', '.join(CHAPTERS)}")
-    if chapter == "05":
+    if chapter == "00":
+        print("chapter 00 reads the recorded results only: nothing to measure")
+    elif chapter == "05":
         run_chapter05(device)
     elif chapter == "07":
         run_chapter07(device)
