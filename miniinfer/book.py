@@ -265,8 +265,8 @@ class StageDiff:
         parts = [f"<p>{escape(self.header()).replace('`', '')}</p>"]
         for change in self.changes:
             lines = "".join(
-                f'<div style="background:{colours.get(line[:1], "transparent")}">'
-                f"{escape(line) or '&nbsp;'}</div>"
+                f'<span style="display:block;background:{colours.get(line[:1], "transparent")}">'
+                f"{escape(line) or '&nbsp;'}</span>"
                 for line in change.diff.splitlines()[2:])  # the ---/+++ names are in the summary
             verb = (f"overrides {change.inherited_from}.{change.name}"
                     if change.kind == "overrides" else "new method")
