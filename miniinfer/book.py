@@ -3,7 +3,15 @@ and the recorded results of every device."""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+import importlib.util
+import inspect
+import json
 import os
+import pkgutil
+import sys
+import textwrap
 from dataclasses import dataclass
 
 import pandas as pd
@@ -429,3 +437,322 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.
         if df.model.iloc[0] == lm.name:
             return df, f"recorded by make chapter-{p.bench.chapter} on this device ({path.name})"
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
+
+
+# -- Each stage as a diff (chapters 02-08) ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class MethodChange:
+    """One method a stage defines: ``overrides`` one it inherits (``diff`` against the
+    inherited source) or ``adds`` a new one (``diff`` is all additions)."""
+    name: str
+    kind: str  # "overrides" | "adds"
+    inherited_from: str | None  # the class whose version it replaces
+    diff: str  # unified diff, full method as context
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class StageDiff:
+    """What a stage's class changes against its parent class, read from the package's source.
+    Jupyter renders it as HTML (one diff block per method); ``str`` gives plain text."""
+    stage: str
+    cls: type
+    parent: type
+    changes: tuple[MethodChange, ...]
+    module_extras: tuple[str, ...]  # other classes and functions its module defines
+
+    def header(self) -> str:
+        parent_stage = getattr(self.parent, "name", None)
+        parent = f"`{parent_stage}` ({self.parent.__name__}, chapter {self.parent.chapter})" \
+            if parent_stage else f"`{self.parent.__name__}`"
+        overrides = [c.name for c in self.changes if c.kind == "overrides"]
+        adds = [c.name for c in self.changes if c.kind == "adds"]
+        lines = [f"`{self.stage}` ({self.cls.__name__} in `{self.cls.__module__}`, chapter "
+                 f"{getattr(self.cls, 'chapter', '?')}) subclasses {parent}.",
+                 f"It overrides {_names(overrides)} and adds {_names(adds)}; everything else is "
+                 f"inherited."]
+        if self.module_extras:
+            lines.append(f"Its module also defines {_names(list(self.module_extras))}.")
+        return " ".join(lines)
+
+    def _repr_html_(self) -> str:
+        """A block per method, lines coloured as in a code review; new methods start folded."""
+        from html import escape
+
+        colours = {"+": "#e6ffec", "-": "#ffebe9", "@": "#ddf4ff"}
+        parts = [f"<p>{escape(self.header()).replace('`', '')}</p>"]
+        for change in self.changes:
+            lines = "".join(
+                f'<span style="display:block;background:{colours.get(line[:1], "transparent")}">'
+                f"{escape(line) or '&nbsp;'}</span>"
+                for line in change.diff.splitlines()[2:])  # the ---/+++ names are in the summary
+            verb = (f"overrides {change.inherited_from}.{change.name}"
+                    if change.kind == "overrides" else "new method")
+            parts.append(f"<details{' open' if change.kind == 'overrides' else ''}><summary>"
+                         f"<code>{escape(change.name)}</code> ({escape(verb)})</summary>"
+                         f'<pre style="font-size:85%;line-height:1.25">{lines}</pre></details>')
+        return "\n".join(parts)
+
+    def __str__(self) -> str:
+        return "\n\n".join([self.header(), *(c.diff for c in self.changes)])
+
+    __repr__ = __str__  # the plain-text view where HTML is not shown
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(f"`{n}`" for n in names) if names else "nothing"
+
+
+def stage_diff(stage: str) -> StageDiff:
+    """The methods ``stage``'s class defines itself (``"stage:variant"`` names the stage's
+    class too), each as a unified diff against the version it inherits."""
+    from .engines import resolve_engine
+
+    return class_diff(resolve_engine(stage)[0], stage)
+
+
+def class_diff(cls: type, stage: str | None = None) -> StageDiff:
+    """:func:`stage_diff` for any class: every method it defines, diffed against the version
+    its parent would have given it (found along the parent's MRO), with the whole method as
+    context so the reader sees it in full; a method new to it is all additions."""
+    parent = cls.__mro__[1]
+    changes = []
+    for name, member in vars(cls).items():
+        func = _function_of(member)
+        if func is None:
+            continue
+        source = textwrap.dedent(inspect.getsource(func)).splitlines()
+        owner = next((base for base in parent.__mro__ if name in vars(base)), None)
+        if owner is None:
+            before, kind = [], "adds"
+        else:
+            inherited = _function_of(vars(owner)[name])
+            before = textwrap.dedent(inspect.getsource(inherited)).splitlines() \
+                if inherited is not None else []
+            kind = "overrides"
+        diff = difflib.unified_diff(before, source,
+                                    f"{owner.__name__}.{name}" if owner else "(new)",
+                                    f"{cls.__name__}.{name}", n=max(len(before), len(source)),
+                                    lineterm="")
+        changes.append(MethodChange(name, kind, owner.__name__ if owner else None,
+                                    "\n".join(diff)))
+    module = sys.modules[cls.__module__]
+    extras = tuple(name for name, obj in vars(module).items()
+                   if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj is not cls
+                   and getattr(obj, "__module__", None) == module.__name__)
+    return StageDiff(stage or getattr(cls, "name", cls.__name__), cls, parent, tuple(changes),
+                     extras)
+
+
+def _function_of(member) -> object | None:
+    """The function behind a class attribute (method, static/class method, property getter),
+    None for data attributes such as ``name`` or ``summary``."""
+    if isinstance(member, (staticmethod, classmethod)):
+        return member.__func__
+    if isinstance(member, property):
+        return member.fget
+    return member if inspect.isfunction(member) else None
+
+
+def show_diff(stage: str) -> StageDiff:
+    """:func:`stage_diff`, for a notebook cell's last line: Jupyter renders the returned object
+    as a diff block per method."""
+    return stage_diff(stage)
+
+
+# -- The overview (chapter 00) ----------------------------------------------------------------
+
+CHAPTERS_DIR = REPO_ROOT / "chapters"
+
+
+@dataclass(frozen=True, slots=True)
+class BookChapter:
+    """A chapter as the plan has it. Its title, modules and status are read from the tree at run
+    time (the notebook's heading, the registry's classes, importable modules), so the overview
+    stays current as chapters land."""
+    number: str
+    stages: tuple[str, ...]  # engine registry names it adds
+    modules: tuple[str, ...]  # supporting modules it adds (shown once importable)
+    planned_title: str
+    idea: str = ""  # for a chapter without a stage (05) or one not built yet
+
+
+BOOK: tuple[BookChapter, ...] = (
+    BookChapter("01", ("hf", "naive"), ("miniinfer.models", "miniinfer.bench",
+                                        "miniinfer.devices"), "Decoding by hand"),
+    BookChapter("02", ("paged-loop",), ("miniinfer.kv_cache",), "A paged KV cache"),
+    BookChapter("03", ("paged-vectorized",), (), "One gather per layer"),
+    BookChapter("04", ("paged-prealloc",), (), "Preallocated buffers"),
+    BookChapter("05", (), ("miniinfer.ranges", "miniinfer.profiling"), "Decode profiling",
+                "named profiler ranges over every phase of a step, and SQL over the exported "
+                "trace to see where the time goes"),
+    BookChapter("06", ("paged-attention",), ("miniinfer.kernels",
+                                             "miniinfer.engines.direct_forward"),
+                "Paged attention"),
+    BookChapter("07", ("async",), (), "Async loops and CUDA graphs"),
+    BookChapter("08", ("continuous",), ("miniinfer.scheduler", "miniinfer.serving"),
+                "Continuous batching"),
+    BookChapter("09", ("prefix-cache",), (), "Prefix caching",
+                "hash-chained full blocks with ref counts and LRU eviction: a shared prompt "
+                "beginning is computed once"),
+    BookChapter("10", (), ("miniinfer.server",), "An OpenAI-compatible server",
+                "the engine behind an OpenAI-compatible HTTP API, driven by the official client"),
+)
+
+
+def _notebook(number: str):
+    found = sorted(CHAPTERS_DIR.glob(f"{number}_*.ipynb"))
+    return found[0] if found else None
+
+
+def _notebook_title(path) -> str | None:
+    """The notebook's first heading without its "Chapter NN —" prefix."""
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "markdown":
+            first = "".join(cell["source"]).lstrip().splitlines()[0]
+            return first.lstrip("# ").split(" — ", 1)[-1]
+    return None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def recorded_devices(chapter: str) -> list[str]:
+    """Device names with any recorded CSV for a chapter (benchmarks, profiles, serving runs)."""
+    names: dict[str, None] = {}
+    for path in sorted((RESULTS / f"ch{chapter}").rglob("*.csv")):
+        names.update(dict.fromkeys(read_results(path).get("device_name", pd.Series()).dropna()))
+    return list(names)
+
+
+def chapter_table() -> pd.DataFrame:
+    """Every chapter of the plan: what it adds (stages from the engine registry, with the
+    module each lives in and its one-sentence summary) and whether it is in the book yet and
+    recorded on which devices."""
+    from .engines import ENGINES
+
+    rows = []
+    for ch in BOOK:
+        notebook = _notebook(ch.number)
+        stages = [s for s in ch.stages if s in ENGINES]
+        modules = [ENGINES[s].__module__ for s in stages] + [m for m in ch.modules
+                                                             if _importable(m)]
+        ideas = [f"`{s}`: {ENGINES[s].summary}" for s in stages]
+        rows.append({
+            "chapter": ch.number,
+            "title": _notebook_title(notebook) if notebook else ch.planned_title,
+            "notebook": notebook.name if notebook else "",
+            "stage": ", ".join(stages or ch.stages) or "(none)",
+            "modules": ", ".join(modules),
+            "idea": "; ".join(ideas) or ch.idea,
+            "status": "in the book" if notebook and (stages or not ch.stages) else "coming",
+            "recorded on": ", ".join(recorded_devices(ch.number)),
+        })
+    return pd.DataFrame(rows)
+
+
+def stage_tree() -> str:
+    """The engine classes as a tree of who subclasses whom, from the registry's classes."""
+    from .engines import ENGINES, Engine
+
+    def label(cls: type) -> str:
+        if cls is Engine:
+            return f"Engine ({cls.__module__})"
+        return f"{cls.name}: {cls.__name__} ({cls.__module__}, chapter {cls.chapter})"
+
+    classes = list(ENGINES.values())
+    lines: list[str] = []
+
+    def walk(cls: type, prefix: str, last: bool, root: bool) -> None:
+        lines.append(label(cls) if root else f"{prefix}{'└── ' if last else '├── '}{label(cls)}")
+        children = [c for c in classes if c.__mro__[1] is cls]
+        inner = "" if root else prefix + ("    " if last else "│   ")
+        for i, child in enumerate(children):
+            walk(child, inner, i == len(children) - 1, False)
+
+    walk(Engine, "", True, True)
+    return "\n".join(lines)
+
+
+def stage_results(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
+                  ) -> pd.DataFrame:
+    """Every stage's % of hf and % of the speed of light per recorded device and batch size,
+    one row each: a stage measured in several chapters is taken from its latest chapter's run
+    (its % of hf is from that run; its % of the floor is rescaled to one bandwidth per device
+    as in :func:`speed_of_light_table`)."""
+    from .engines import resolve_engine
+
+    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    floor = speed_of_light_table(chapters).stack().rename("pct_of_floor").reset_index()
+    df = df.drop(columns="pct_of_floor").merge(
+        floor, on=["device_name", "model", "dtype", "batch_size", "engine"], how="left")
+    df["stage_chapter"] = [resolve_engine(e)[0].chapter for e in df.engine]
+    df["is_baseline"] = df.engine != "hf"  # False sorts first: hf leads its chapter's stages
+    df = df.sort_values(["device_name", "stage_chapter", "is_baseline"], kind="stable")
+    return df[["device_name", "model", "dtype", "stage_chapter", "engine", "chapter",
+               "batch_size", "pct_of_hf", "pct_of_floor"]].reset_index(drop=True)
+
+
+def plot_stage_results(df: pd.DataFrame):
+    """One row of two panels per device: % of hf and % of the speed of light for every stage
+    (book order), a bar per batch size."""
+    import matplotlib.pyplot as plt
+
+    devices = list(dict.fromkeys(df.device_name))
+    fig, axes = plt.subplots(len(devices), 2, figsize=(14, 4.2 * len(devices)), squeeze=False)
+    for row, name in zip(axes, devices, strict=True):
+        dev = df[df.device_name == name]
+        engines = list(dict.fromkeys(dev.engine))
+        for ax, value, title in ((row[0], "pct_of_hf", "% of hf (same run)"),
+                                 (row[1], "pct_of_floor", "% of the speed of light")):
+            table = dev.pivot_table(index="engine", columns="batch_size", values=value,
+                                    sort=False).reindex(engines)
+            table.plot.bar(ax=ax, rot=30, width=0.8)
+            if value == "pct_of_hf":
+                ax.axhline(100, color="k", lw=0.8, ls="--")
+            ax.set(title=f"{name}, {dev.model.iloc[0]} {dev.dtype.iloc[0]}: {title}",
+                   xlabel="", ylabel="%")
+            ax.legend(title="batch", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def package_map() -> pd.DataFrame:
+    """Every module of the package, the chapter that adds it (per :data:`BOOK` and the engine
+    registry; "-" for what every chapter uses) and its docstring's first paragraph."""
+    from .engines import ENGINES
+
+    chapter_of = {m: ch.number for ch in BOOK for m in ch.modules}
+    chapter_of.update({cls.__module__: cls.chapter for cls in ENGINES.values()})
+    rows = []
+    for info in pkgutil.walk_packages(sys.modules[__package__].__path__, __package__ + "."):
+        if info.name.endswith("__main__"):
+            continue
+        owner = next((chapter_of[m] for m in chapter_of
+                      if info.name == m or info.name.startswith(m + ".")), "-")
+        doc = (importlib.import_module(info.name).__doc__ or "").strip()
+        rows.append({"module": info.name, "chapter": owner,
+                     "what it is": " ".join(doc.split("\n\n")[0].split())})
+    return pd.DataFrame(rows).sort_values(["chapter", "module"], ignore_index=True)
+
+
+def recorded_runs() -> pd.DataFrame:
+    """One row per recorded results file: chapter, file, and the device, model, software and
+    commit of the run that wrote it."""
+    columns = ["device_name", "model", "dtype", "torch", "transformers", "git_sha", "date"]
+    rows = []
+    for path in sorted(RESULTS.glob("ch*/**/*.csv")):
+        first = read_results(path).iloc[0]
+        rows.append({"chapter": path.relative_to(RESULTS).parts[0][2:],
+                     "file": str(path.relative_to(RESULTS)),
+                     **{c: first.get(c, "") for c in columns}})
+    return pd.DataFrame(rows)

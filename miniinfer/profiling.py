@@ -91,12 +91,27 @@ def profile_decode(engine, prompts: list[list[int]], steps: int, warmup_steps: i
             trace_path.parent.mkdir(parents=True, exist_ok=True)
             with raw.open("rb") as src, gzip.open(trace_path, "wb") as dst:
                 shutil.copyfileobj(src, dst)
-    rows = [
+    return Trace(_events_frame(events), Path(trace_path) if trace_path else None, warmup_steps)
+
+
+def load_trace(path: str | Path, warmup_steps: int = 2) -> Trace:
+    """A Chrome trace written by :func:`profile_decode` (``.json`` or ``.json.gz``, e.g. the
+    recorded ones in ``data/results/ch05/``), ready for the same SQL. ``warmup_steps``: the
+    decode windows to leave out of per-step figures (``profile_stages`` records 2)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return Trace(_events_frame(events), path, warmup_steps)
+
+
+def _events_frame(events: list[dict]) -> pd.DataFrame:
+    """The complete events ("X": a name, a start and a duration) of a Chrome trace."""
+    return pd.DataFrame([
         {"name": e["name"], "cat": e.get("cat", ""), "ts": float(e["ts"]), "dur": float(e["dur"]),
          "tid": str(e.get("tid")), "pid": str(e.get("pid"))}
         for e in events if e.get("ph") == "X" and "dur" in e
-    ]
-    return Trace(pd.DataFrame(rows), Path(trace_path) if trace_path else None, warmup_steps)
+    ])
 
 
 # Measured decode steps: the step windows after the warm-up ones, numbered from 0.

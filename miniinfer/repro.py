@@ -67,6 +67,9 @@ class ChapterRun:
 # Each chapter benchmarks the stages it compares in one run, so its ratios are like for like.
 _STAGES = ("hf", "naive", "paged-loop", "paged-vectorized", "paged-prealloc", "paged-attention")
 CHAPTERS: dict[str, ChapterRun] = {
+    # The overview measures nothing: it reads data/results, so its run only re-executes it.
+    "00": ChapterRun("00_overview.ipynb", (), record=lambda device: _reads_results_only(),
+                     plan=lambda chapter, device: ChapterPlan("-", "-", (), (), "none", 0, 0.0)),
     "01": ChapterRun("01_naive_hf_decode.ipynb", _STAGES[:2]),
     "02": ChapterRun("02_paged_kv_cache.ipynb", _STAGES[:3]),
     # From chapter 03 on, naive (== hf within noise, chapter 01) is left out to save time.
@@ -90,6 +93,11 @@ CHAPTERS: dict[str, ChapterRun] = {
                      record=lambda device: run_chapter08(device),
                      plan=lambda chapter, device: chapter08_plan(device)),
 }
+
+
+def _reads_results_only() -> list[Path]:
+    print("chapter 00 reads the recorded results only: nothing to measure")
+    return []
 
 
 def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
