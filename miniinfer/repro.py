@@ -54,6 +54,8 @@ CHAPTERS: dict[str, ChapterRun] = {
                      cuda_engines=("async:cuda-graph",)),
     # Chapter 08 serves workloads online instead (see run_chapter08).
     "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",)),
+    # Chapter 09 serves workloads that share prefixes (see run_chapter09).
+    "09": ChapterRun("09_prefix_caching.ipynb", ("continuous", "prefix-cache")),
 }
 
 
@@ -200,6 +202,18 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
     row tagged with its experiment."""
     dev = resolve_device(device)
     model, experiments = serving_experiments(dev)
+    runs, written = record_serving(dev, "08", model, experiments)
+    target = runs[runs.experiment == "target"].set_index("system").output_throughput
+    for baseline in target.index.drop("continuous"):
+        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
+              f"output tokens/s")
+    return written
+
+
+def record_serving(dev: torch.device, chapter: str, model: str,
+                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
+    """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
+    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
     lm = load_model(model, device=dev)
     tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
     for name, config in experiments.items():
@@ -207,11 +221,7 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
         print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
         for kind, frames in tables.items():
             frames.append(getattr(results, kind).assign(experiment=name))
-    target = tables["runs"][0].set_index("system").output_throughput
-    for baseline in target.index.drop("continuous"):
-        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
-              f"output tokens/s")
-    out_dir = RESULTS / "ch08"
+    out_dir = RESULTS / f"ch{chapter}"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, frames in tables.items():
@@ -219,7 +229,52 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
         pd.concat(frames, ignore_index=True).to_csv(path, index=False)
         written.append(path)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
-    return written
+    return pd.concat(tables["runs"], ignore_index=True), written
+
+
+PREFIX_LENS = (0, 128, 256, 512, 1024)
+
+
+def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
+    """Model and the serving experiments of chapter 09 on this device (EOS ignored):
+
+    - ``shared-prefix``: the issue's target, 32 requests (256 on a GPU) arriving at once, one
+      512-token system prompt, 16-64-token questions, 32-96 new tokens; with ``hf-cb``;
+    - ``multi-turn``: 8 conversations (64 on a GPU) of 4 turns, messages of 16-64 tokens,
+      replies of 32-96, turns 5 s apart;
+    - ``nothing-shared``: chapter 08's workload (prompts 16-256, 32-128 new tokens), the cost of
+      the bookkeeping when no prompt shares a block;
+    - ``prefix-len``: 16 requests (128 on a GPU) at once, system prompts of 0 to 1024 tokens.
+    """
+    gpu = device.type == "cuda"
+    scale = 8 if gpu else 1
+    pair = ("continuous", "prefix-cache")
+    shared = WorkloadConfig(num_requests=32 * scale, prompt_len=(16, 64), output_len=(32, 96),
+                            kind="shared-prefix", shared_prefix_len=512)
+    options = {"max_num_batched_tokens": (2048,), "kv_cache_bytes": 8 << 30} if gpu \
+        else {"max_num_batched_tokens": (512,)}
+    experiments = {
+        "shared-prefix": ServingBenchConfig(shared, (*pair, "hf-cb"), chapter="09", **options),
+        "multi-turn": ServingBenchConfig(
+            replace(shared, kind="multi-turn", num_requests=32 * scale, turns=4, turn_gap_s=5.0),
+            pair, chapter="09", **options),
+        "nothing-shared": ServingBenchConfig(WorkloadConfig(num_requests=32 * scale), pair,
+                                             chapter="09", **options),
+    }
+    for n in PREFIX_LENS:
+        experiments[f"prefix-len-{n}"] = ServingBenchConfig(
+            replace(shared, num_requests=16 * scale, output_len=(32, 64), shared_prefix_len=n),
+            pair, chapter="09", **options)
+    return ("qwen2.5-7b" if gpu else "smollm2-135m"), experiments
+
+
+def run_chapter09(device: str | torch.device | None = "auto") -> list[Path]:
+    """Serve chapter 09's workloads with and without prefix caching; writes
+    ``data/results/ch09/<device>-{runs,requests,steps}.csv``, every row tagged with its
+    experiment."""
+    dev = resolve_device(device)
+    model, experiments = prefix_cache_experiments(dev)
+    return record_serving(dev, "09", model, experiments)[1]
 
 
 def execute_notebook(chapter: str) -> None:
@@ -250,6 +305,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         run_chapter07(device)
     elif chapter == "08":
         run_chapter08(device)
+    elif chapter == "09":
+        run_chapter09(device)
     else:
         run_chapter_bench(chapter, device)
     if execute_notebook_too:
