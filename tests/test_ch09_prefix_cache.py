@@ -37,6 +37,8 @@ def run_to_end(engine: PrefixCacheEngine, arrivals: dict[int, list[tuple]] | Non
         for prompt, params, rid in arrivals.get(len(steps), []):
             engine.add_request(prompt, params, request_id=rid)
         steps.append(engine.step())
+        assert steps[-1].num_decodes + steps[-1].num_prefill_tokens or \
+            not engine.has_unfinished_requests(), "a step ran nothing: the engine is stuck"
         if check:
             check(engine.kv_cache.block_manager)
         finished.update((r.request_id, r) for r in steps[-1].outputs if r.finished)
