@@ -185,7 +185,9 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     workload = WorkloadConfig(num_requests=args.num_requests,
                               prompt_len=_range(args.prompt_len, "--prompt-len"),
                               output_len=_range(args.output_len, "--output-len"),
-                              dataset=args.dataset, seed=args.seed)
+                              dataset=args.dataset, seed=args.seed, kind=args.workload,
+                              shared_prefix_len=args.shared_prefix_len, turns=args.turns,
+                              turn_gap_s=args.turn_gap_s)
     config = ServingBenchConfig(workload, systems=args.systems,
                                 request_rates=_csv_rates(args.request_rates),
                                 max_num_batched_tokens=args.max_num_batched_tokens,
@@ -307,13 +309,22 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(serving, "smollm2-135m")
     serving.add_argument("--systems", type=_csv_names,
                          default=("continuous", "static-paged-attention", "hf-cb"),
-                         help="continuous, hf-cb (transformers' continuous batching) and "
+                         help="continuous, prefix-cache, hf-cb (transformers' continuous "
+                              "batching) and "
                               "static-ENGINE (batches of --static-batch-size with a stage)")
     serving.add_argument("--num-requests", type=int, default=32)
     serving.add_argument("--request-rates", default="inf",
                          help="requests/s, comma-separated (inf: all at once)")
     serving.add_argument("--prompt-len", default="16,256", help="LOW,HIGH tokens (random ids)")
     serving.add_argument("--output-len", default="32,128", help="LOW,HIGH new tokens")
+    serving.add_argument("--workload", default="random",
+                         help="random (nothing shared), shared-prefix or multi-turn (chapter 09)")
+    serving.add_argument("--shared-prefix-len", type=int, default=512,
+                         help="shared-prefix: tokens of the system prompt every request starts with")
+    serving.add_argument("--turns", type=int, default=4,
+                         help="multi-turn: turns per conversation (--num-requests counts turns)")
+    serving.add_argument("--turn-gap-s", type=float, default=5.0,
+                         help="multi-turn: seconds between a conversation's turns")
     serving.add_argument("--dataset", help='JSONL: {"prompt": text, "output_len": n} per line')
     serving.add_argument("--max-num-batched-tokens", type=_csv_ints, default=(512,),
                          help="token budgets per step (continuous, hf-cb), comma-separated")

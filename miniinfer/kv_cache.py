@@ -85,6 +85,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_list)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (chapter 09); this manager keeps none."""
+        return 0
+
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self.block_tables
 

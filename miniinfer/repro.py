@@ -27,7 +27,7 @@ from .bench import BenchConfig, run_bench, summary_table
 from .devices import REPO_ROOT, device_slug, device_speed
 from .errors import UnknownNameError
 from .models import MODELS, LoadedModel, load_model, resolve_device
-from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
+from .serving import STEPPED_SYSTEMS, ServingBenchConfig, WorkloadConfig, run_serving_bench
 from .serving import summary_table as serving_summary_table
 
 RESULTS = REPO_ROOT / "data" / "results"
@@ -92,6 +92,11 @@ CHAPTERS: dict[str, ChapterRun] = {
     "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",),
                      record=lambda device: run_chapter08(device),
                      plan=lambda chapter, device: chapter08_plan(device)),
+    # Chapter 09 serves workloads that share prefixes (see run_chapter09).
+    "09": ChapterRun("09_prefix_caching.ipynb", ("continuous", "prefix-cache"),
+                     record=lambda device: run_chapter09(device),
+                     plan=lambda chapter, device: serving_plan(*prefix_cache_experiments(device),
+                                                               device, "shared-prefix")),
 }
 
 
@@ -351,6 +356,18 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
     row tagged with its experiment."""
     dev = resolve_device(device)
     model, experiments = serving_experiments(dev)
+    runs, written = record_serving(dev, "08", model, experiments)
+    target = runs[runs.experiment == "target"].set_index("system").output_throughput
+    for baseline in target.index.drop("continuous"):
+        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
+              f"output tokens/s")
+    return written
+
+
+def record_serving(dev: torch.device, chapter: str, model: str,
+                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
+    """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
+    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
     lm = load_model(model, device=dev)
     tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
     for name, config in experiments.items():
@@ -358,11 +375,7 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
         print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
         for kind, frames in tables.items():
             frames.append(getattr(results, kind).assign(experiment=name))
-    target = tables["runs"][0].set_index("system").output_throughput
-    for baseline in target.index.drop("continuous"):
-        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
-              f"output tokens/s")
-    out_dir = RESULTS / "ch08"
+    out_dir = RESULTS / f"ch{chapter}"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, frames in tables.items():
@@ -370,7 +383,52 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
         pd.concat(frames, ignore_index=True).to_csv(path, index=False)
         written.append(path)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
-    return written
+    return pd.concat(tables["runs"], ignore_index=True), written
+
+
+PREFIX_LENS = (0, 128, 256, 512, 1024)
+
+
+def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
+    """Model and the serving experiments of chapter 09 on this device (EOS ignored):
+
+    - ``shared-prefix``: the issue's target, 32 requests (256 on a GPU) arriving at once, one
+      512-token system prompt, 16-64-token questions, 32-96 new tokens; with ``hf-cb``;
+    - ``multi-turn``: 8 conversations (64 on a GPU) of 4 turns, messages of 16-64 tokens,
+      replies of 32-96, turns 5 s apart;
+    - ``nothing-shared``: chapter 08's workload (prompts 16-256, 32-128 new tokens), the cost of
+      the bookkeeping when no prompt shares a block;
+    - ``prefix-len``: 16 requests (128 on a GPU) at once, system prompts of 0 to 1024 tokens.
+    """
+    gpu = device.type == "cuda"
+    scale = 8 if gpu else 1
+    pair = ("continuous", "prefix-cache")
+    shared = WorkloadConfig(num_requests=32 * scale, prompt_len=(16, 64), output_len=(32, 96),
+                            kind="shared-prefix", shared_prefix_len=512)
+    options = {"max_num_batched_tokens": (2048,), "kv_cache_bytes": 8 << 30} if gpu \
+        else {"max_num_batched_tokens": (512,)}
+    experiments = {
+        "shared-prefix": ServingBenchConfig(shared, (*pair, "hf-cb"), chapter="09", **options),
+        "multi-turn": ServingBenchConfig(
+            replace(shared, kind="multi-turn", num_requests=32 * scale, turns=4, turn_gap_s=5.0),
+            pair, chapter="09", **options),
+        "nothing-shared": ServingBenchConfig(WorkloadConfig(num_requests=32 * scale), pair,
+                                             chapter="09", **options),
+    }
+    for n in PREFIX_LENS:
+        experiments[f"prefix-len-{n}"] = ServingBenchConfig(
+            replace(shared, num_requests=16 * scale, output_len=(32, 64), shared_prefix_len=n),
+            pair, chapter="09", **options)
+    return ("qwen2.5-7b" if gpu else "smollm2-135m"), experiments
+
+
+def run_chapter09(device: str | torch.device | None = "auto") -> list[Path]:
+    """Serve chapter 09's workloads with and without prefix caching; writes
+    ``data/results/ch09/<device>-{runs,requests,steps}.csv``, every row tagged with its
+    experiment."""
+    dev = resolve_device(device)
+    model, experiments = prefix_cache_experiments(dev)
+    return record_serving(dev, "09", model, experiments)[1]
 
 
 def execute_notebook(chapter: str) -> None:
@@ -488,8 +546,8 @@ COSTS = {
         "estimates fitted to the recorded runs on a 2-core CPU", load_s=5, step_s=0.044,
         row_s=0.0045, prefill_token_s=0.0015,
         engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1},
-        serving_tok_s={"continuous": 114, "static-paged-attention": 64, "static-hf": 48,
-                       "hf-cb": 67}),
+        serving_tok_s={"continuous": 114, "prefix-cache": 114, "static-paged-attention": 64,
+                       "static-hf": 48, "hf-cb": 67}),
     # One H100 with Qwen2.5-7B bf16 (15 GB of weights: 4.5 ms a step at 3.35 TB/s), eager
     # engines bound by the host's kernel launches. Assumed, not measured yet: the first GPU
     # run's CSVs should replace these.
@@ -498,8 +556,8 @@ COSTS = {
         step_s=0.030, row_s=0.0002, prefill_token_s=0.00005,
         engine_factor={"paged-loop": 3.0, "paged-vectorized": 1.2, "paged-attention": 0.8,
                        "async:sync": 0.7, "async:overlap": 0.5, "async:cuda-graph": 0.25},
-        serving_tok_s={"continuous": 2000, "static-paged-attention": 320, "static-hf": 260,
-                       "hf-cb": 800}),
+        serving_tok_s={"continuous": 2000, "prefix-cache": 2000, "static-paged-attention": 320,
+                       "static-hf": 260, "hf-cb": 800}),
 }
 
 
@@ -565,7 +623,12 @@ def chapter07_plan(device: torch.device) -> ChapterPlan:
 
 
 def chapter08_plan(device: torch.device) -> ChapterPlan:
-    model, experiments = serving_experiments(device)
+    return serving_plan(*serving_experiments(device), device, "target")
+
+
+def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,
+                 main: str) -> ChapterPlan:
+    """A serving chapter's plan: every experiment's runs; ``main`` names the one described."""
     costs = device_costs(device)
     seconds = costs.load_s
     systems: list[str] = []
@@ -576,13 +639,13 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
             span = w.num_requests / rate if math.isfinite(rate) else 0.0
             for system in config.systems:
                 budgets = len(config.max_num_batched_tokens) \
-                    if system in ("continuous", "hf-cb") else 1
+                    if system in (*STEPPED_SYSTEMS, "hf-cb") else 1
                 # Arrivals take their span; the work queues behind them (upper bound).
                 seconds += budgets * (span + output_tokens / costs.serving_tok_s[system])
                 systems += [s for s in (system,) if s not in systems]
-    target = experiments["target"].workload
+    target = experiments[main].workload
     return ChapterPlan(model, dtype_name(model), tuple(systems),
                        tuple(c.static_batch_size for c in experiments.values())[:1],
                        f"{target.num_requests} requests, prompts {target.prompt_len[0]}-"
                        f"{target.prompt_len[1]}, outputs {target.output_len[0]}-"
-                       f"{target.output_len[1]}; 3 experiments", 1, seconds)
+                       f"{target.output_len[1]}; {len(experiments)} experiments", 1, seconds)

@@ -86,6 +86,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (ch. 09)
 
     @property
     def num_tokens(self) -> int:
@@ -184,8 +185,8 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            n = self._num_new_tokens(request, budget, alone=not scheduled)
-            if n == 0 or not self._try_take(request, n, admit=True):
+            n = self._admit(request, budget, alone=not scheduled)
+            if n == 0:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -197,6 +198,14 @@ class Scheduler:
         # The forward runs decodes through the decode kernel and chunks through the varlen one.
         scheduled.sort(key=lambda item: item[1] != 1)
         return ScheduledBatch(scheduled, preempted)
+
+    def _admit(self, request: Request, budget: int, alone: bool) -> int:
+        """Blocks for a waiting request's first tokens; how many it feeds this step (0: it does
+        not fit, and holds nothing)."""
+        n = self._num_new_tokens(request, budget, alone)
+        if n == 0 or not self._try_take(request, n, admit=True):
+            return 0
+        return n
 
     def _num_new_tokens(self, request: Request, budget: int, alone: bool) -> int:
         remaining = request.num_tokens - request.num_computed_tokens

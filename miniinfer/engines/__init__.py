@@ -13,11 +13,12 @@ from .paged_attention import PagedAttentionEngine
 from .paged_loop import PagedLoopEngine
 from .paged_prealloc import PagedPreallocEngine
 from .paged_vectorized import PagedVectorizedEngine
+from .prefix_cache import PrefixCacheEngine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
-                PagedAttentionEngine, AsyncEngine, ContinuousEngine)
+                PagedAttentionEngine, AsyncEngine, ContinuousEngine, PrefixCacheEngine)
 }
 
 

@@ -86,6 +86,8 @@ class StepResult:
     num_prefill_tokens: int  # the other tokens: prompt chunks, recomputation after preemption
     preempted: list[RequestId]
     outputs: list[Request]
+    num_blocks_in_use: int  # held by requests after the step
+    num_blocks_cached: int  # free, but still holding a reusable prefix (chapter 09)
 
 
 def sample_next_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -175,8 +177,10 @@ class ContinuousEngine(PagedAttentionEngine):
         for request, token in zip(sampled, tokens, strict=True):
             self.append_token(request, token, end)
         num_decodes = batch.num_decodes
+        manager = self.kv_cache.block_manager
         return StepResult(start, end, num_decodes, batch.num_tokens - num_decodes,
-                          [r.request_id for r in batch.preempted], sampled)
+                          [r.request_id for r in batch.preempted], sampled,
+                          manager.num_blocks - manager.num_free_blocks, manager.num_cached_blocks)
 
     def abort(self, request_id: RequestId) -> bool:
         """Drop a request and free its blocks; False if it had already finished (or never

@@ -6,7 +6,8 @@ and the benchmark that runs them (``benchmark``).
   (``inf``: all at once, the offline case), prompt and output lengths drawn uniformly from
   ranges, or prompts (and output lengths) sampled from a JSONL dataset file. Seeded: the same
   config gives the same requests, token for token, to every system.
-- **Systems**: ``continuous`` (our chapter 08 engine), ``static-<engine>`` (request-level
+- **Systems**: ``continuous`` (our chapter 08 engine; ``prefix-cache`` is chapter 09's),
+  ``static-<engine>`` (request-level
   batching with any earlier stage: when the engine is free it takes up to ``static_batch_size``
   requests that have arrived and runs them to the end of the longest) and ``hf-cb``
   (transformers' own continuous batching, the manager behind ``model.generate_batch``).
@@ -26,6 +27,7 @@ from .metrics import LATENCIES, PERCENTILES, request_table, step_table, summariz
 from .systems import (
     HF_CB_BLOCK_SIZE,
     STATIC_PREFIX,
+    STEPPED_SYSTEMS,
     ServedRequest,
     ServingRun,
     Systems,
@@ -35,10 +37,17 @@ from .systems import (
     serve_hf_cb,
     serve_static,
 )
-from .workloads import WorkloadConfig, WorkloadRequest, make_workload, read_dataset
+from .workloads import (
+    WORKLOAD_KINDS,
+    WorkloadConfig,
+    WorkloadRequest,
+    make_workload,
+    read_dataset,
+)
 
 __all__ = [
-    "HF_CB_BLOCK_SIZE", "LATENCIES", "PERCENTILES", "STATIC_PREFIX", "ServedRequest",
+    "HF_CB_BLOCK_SIZE", "LATENCIES", "PERCENTILES", "STATIC_PREFIX", "STEPPED_SYSTEMS",
+    "WORKLOAD_KINDS", "ServedRequest",
     "ServingBenchConfig", "ServingResults", "ServingRun", "Systems", "WorkloadConfig",
     "WorkloadRequest", "check_system", "default_pool_bytes", "make_workload", "read_dataset",
     "request_table", "run_serving_bench", "serve_continuous", "serve_hf_cb", "serve_static",

@@ -21,7 +21,7 @@ from ..devices import LoadGuard, run_metadata
 from ..errors import InvalidRequestError, keep_on_interrupt
 from ..models import LoadedModel
 from .metrics import request_table, step_table, summarize
-from .systems import Systems, check_system
+from .systems import STEPPED_SYSTEMS, Systems, check_system
 from .workloads import WorkloadConfig, check_workload, make_workload
 
 T = TypeVar("T")
@@ -30,7 +30,8 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class ServingBenchConfig:
     """Every system in ``systems`` serves the workload at every rate in ``request_rates``
-    (none: the workload's own rate); ``continuous`` and ``hf-cb`` once per token budget in
+    (none: the workload's own rate); ``continuous``, ``prefix-cache`` and ``hf-cb`` once per
+    token budget in
     ``max_num_batched_tokens``."""
 
     workload: WorkloadConfig = WorkloadConfig()
@@ -111,10 +112,11 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     for workload in workloads.values():
         check_workload(lm, workload)
     plan = [(rate, system, budget) for system in config.systems
-            for budget in (budgets if system in ("continuous", "hf-cb") else [0])
+            for budget in (budgets if system in (*STEPPED_SYSTEMS, "hf-cb") else [0])
             for rate in rates]
-    warmup = [replace(w, max_new_tokens=4) for w in make_workload(
-        lm, replace(config.workload, num_requests=4, request_rate=math.inf))]
+    small = config.workload.turns if config.workload.kind == "multi-turn" else 4
+    warmup = [replace(w, max_new_tokens=4, arrival_s=0.0) for w in make_workload(
+        lm, replace(config.workload, num_requests=small, request_rate=math.inf))]
     systems = Systems(lm, config)
     runs, requests, steps = [], [], []
     # Every system serves from a worker thread, because transformers' continuous batching
@@ -135,7 +137,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
             run_tags = {**tags, "system": system, "request_rate": rate,
                         "max_num_batched_tokens": budget or math.nan}
             runs.append({**run_tags, **summarize(run), **load.columns()})
-            requests.append(request_table(run).assign(**run_tags))
+            requests.append(request_table(run, workloads[rate]).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))
     return _results(config, meta, runs, requests, steps)
@@ -148,6 +150,9 @@ def _results(config: ServingBenchConfig, meta: dict[str, str | int], runs: list[
                      "prompt_len_range": f"{w.prompt_len[0]}-{w.prompt_len[1]}",
                      "output_len_range": f"{w.output_len[0]}-{w.output_len[1]}",
                      "dataset": Path(w.dataset).name if w.dataset else "", "seed": w.seed,
+                     "workload": w.kind,
+                     "shared_prefix_len": w.shared_prefix_len if w.kind == "shared-prefix" else 0,
+                     "turns": w.turns if w.kind == "multi-turn" else 1,
                      "static_batch_size": config.static_batch_size}
     return ServingResults(
         pd.DataFrame(runs).assign(**workload_cols, **meta),
@@ -158,5 +163,6 @@ def _results(config: ServingBenchConfig, meta: dict[str, str | int], runs: list[
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     """The compact view printed after a run."""
     cols = ["system", "request_rate", "max_num_batched_tokens", "output_throughput",
-            "request_throughput", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms"]
+            "request_throughput", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
+            "prefix_cache_hit_rate"]
     return runs[cols].round(2).reset_index(drop=True)

@@ -3,6 +3,7 @@
 TPOT = (latency - TTFT) / (output tokens - 1), per request; ITL = the gaps between a request's
 consecutive tokens, pooled over requests; request and output-token throughput over the run's
 duration (start to the last finish). Each latency is reported as mean, p50, p90 and p99.
+Chapter 09 adds the prefix-cache hit rate: prompt tokens served from the cache / prompt tokens.
 """
 
 from __future__ import annotations
@@ -14,13 +15,18 @@ import numpy as np
 import pandas as pd
 
 from .systems import ServingRun
+from .workloads import WorkloadRequest
 
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = (50, 90, 99)
 
 
-def request_table(run: ServingRun) -> pd.DataFrame:
-    """One row per request: its timeline relative to the run's start (s) and its latencies (ms)."""
+def request_table(run: ServingRun,
+                  workload: Sequence[WorkloadRequest] | None = None) -> pd.DataFrame:
+    """One row per request: its timeline relative to the run's start (s), its latencies (ms)
+    and its prompt tokens found in a prefix cache (NaN: the system does not say); with the
+    ``workload``, also each request's conversation and turn."""
+    turns = {w.index: (w.conversation, w.turn) for w in workload or ()}
     rows = []
     for r in run.requests:
         t = r.timeline
@@ -34,6 +40,9 @@ def request_table(run: ServingRun) -> pd.DataFrame:
             "queue_ms": (t.first_scheduled - t.arrival) * 1e3, "ttft_ms": ttft * 1e3,
             "tpot_ms": (e2e - ttft) / (n - 1) * 1e3 if n > 1 else math.nan,
             "e2e_ms": e2e * 1e3, "num_preemptions": r.num_preemptions,
+            "cached_tokens": math.nan if r.num_cached_tokens is None else r.num_cached_tokens,
+            **(dict(zip(("conversation", "turn"), turns[r.index], strict=True))
+               if turns else {}),
         })
     return pd.DataFrame(rows)
 
@@ -43,7 +52,8 @@ def step_table(run: ServingRun) -> pd.DataFrame:
     return pd.DataFrame([{
         "step": i, "start_s": s.start - run.start, "end_s": s.end - run.start,
         "num_decodes": s.num_decodes, "num_prefill_tokens": s.num_prefill_tokens,
-        "num_preempted": len(s.preempted),
+        "num_preempted": len(s.preempted), "num_blocks_in_use": s.num_blocks_in_use,
+        "num_blocks_cached": s.num_blocks_cached,
     } for i, s in enumerate(run.steps)])
 
 
@@ -63,7 +73,10 @@ def summarize(run: ServingRun) -> dict[str, float]:
     duration = run.end - run.start
     out = {"num_requests": len(table), "output_tokens": int(table.output_len.sum()),
            "duration_s": duration, "request_throughput": len(table) / duration,
-           "output_throughput": table.output_len.sum() / duration}
+           "output_throughput": table.output_len.sum() / duration,
+           # NaN unless the system reports every request's cached tokens.
+           "prefix_cache_hit_rate": table.cached_tokens.sum(min_count=len(table))
+           / table.prompt_len.sum()}
     for name in LATENCIES:
         out |= _stats(name, itl if name == "itl" else table[f"{name}_ms"])
     return out

@@ -1,4 +1,5 @@
-"""Three ways to serve a workload (chapter 08): ``continuous`` (our chapter 08 engine),
+"""Ways to serve a workload (chapter 08): ``continuous`` (our chapter 08 engine, and
+``prefix-cache``, chapter 09's engine built on it),
 ``static-<engine>`` (request-level batching with any earlier stage: when the engine is free it
 takes up to ``static_batch_size`` requests that have arrived and runs them to the end of the
 longest) and ``hf-cb`` (transformers' own continuous batching, the manager behind
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 from ..devices import kv_bytes_per_token
 from ..engines import ENGINES, Engine, make_engine
 from ..engines.continuous import ContinuousEngine, StepResult
+from ..engines.prefix_cache import PrefixCacheEngine
 from ..errors import UnknownNameError
 from ..kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from ..models import LoadedModel
@@ -36,6 +38,8 @@ STATIC_PREFIX = "static-"
 # transformers' default KV block for its continuous batching; at 16 tokens its CPU path is
 # several times slower, so it gets its own default (and the same KV memory as ours).
 HF_CB_BLOCK_SIZE = 256
+# Our engines that serve request by request (``add_request``/``step``), with a token budget.
+STEPPED_SYSTEMS = ("continuous", "prefix-cache")
 
 
 @dataclass(slots=True)
@@ -45,6 +49,7 @@ class ServedRequest:
     output_ids: list[int]
     timeline: RequestTimeline
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens served from a prefix cache; None: unknown
 
 
 @dataclass(slots=True)
@@ -87,7 +92,8 @@ def serve_continuous(engine: ContinuousEngine, workload: Sequence[WorkloadReques
         step = engine.step()
         run.steps.append(step)
         run.requests += [ServedRequest(r.request_id, len(by_id[r.request_id].prompt_ids),
-                                       r.output_ids, r.timeline, r.num_preemptions)
+                                       r.output_ids, r.timeline, r.num_preemptions,
+                                       r.num_cached_tokens)
                          for r in step.outputs if r.finished]
     run.requests.sort(key=lambda r: r.index)
     return run
@@ -173,12 +179,12 @@ def serve_hf_cb(lm: LoadedModel, workload: Sequence[WorkloadRequest], max_batch_
 
 def check_system(system: str) -> None:
     engine = system.removeprefix(STATIC_PREFIX)
-    if system.startswith(STATIC_PREFIX) and engine in ENGINES and engine != "continuous":
+    if system.startswith(STATIC_PREFIX) and engine in ENGINES and engine not in STEPPED_SYSTEMS:
         return
-    if system not in ("continuous", "hf-cb"):
-        static = ", ".join(STATIC_PREFIX + e for e in ENGINES if e != "continuous")
-        raise UnknownNameError(f"unknown serving system {system!r}; systems: continuous, "
-                               f"hf-cb, {static}")
+    if system not in (*STEPPED_SYSTEMS, "hf-cb"):
+        static = ", ".join(STATIC_PREFIX + e for e in ENGINES if e not in STEPPED_SYSTEMS)
+        raise UnknownNameError(f"unknown serving system {system!r}; systems: "
+                               f"{', '.join(STEPPED_SYSTEMS)}, hf-cb, {static}")
 
 
 def default_pool_bytes(lm: LoadedModel) -> int:
@@ -202,11 +208,13 @@ class Systems:
             return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
         if self.current is None or self.current[0] != (system, budget):
             self.current = None  # the old pool goes before the new one is allocated
-            engine = make_engine("continuous", self.lm, max_num_batched_tokens=budget,
-                                 memory_bytes=self.kv_cache_bytes) if system == "continuous" \
+            engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
+                                 memory_bytes=self.kv_cache_bytes) if system in STEPPED_SYSTEMS \
                 else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
             self.current = ((system, budget), engine)
         engine = self.current[1]
+        if isinstance(engine, PrefixCacheEngine):
+            engine.reset_prefix_cache()  # every run starts cold, the warm-up's blocks forgotten
         if isinstance(engine, ContinuousEngine):
             return serve_continuous(engine, workload)
         return serve_static(engine, workload, self.config.static_batch_size)
