@@ -54,6 +54,8 @@ CHAPTERS: dict[str, ChapterRun] = {
                      cuda_engines=("async:cuda-graph",)),
     # Chapter 08 serves workloads online instead (see run_chapter08).
     "08": ChapterRun("08_continuous_batching.ipynb", ("continuous",)),
+    # Chapter 10 serves chapter 08's target workload in-process and over HTTP (run_chapter10).
+    "10": ChapterRun("10_openai_server.ipynb", ("continuous",)),
 }
 
 
@@ -222,6 +224,51 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
     return written
 
 
+def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -> list[Path]:
+    """Chapter 08's ``target`` workload served by the same engine twice per round: in this
+    process (``continuous``, as chapter 08 measures it) and over HTTP (``http``: a ``serve``
+    child process on this machine, measured at the client), the order alternating between
+    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``."""
+    from .server import ServerProcess
+    from .serving import default_pool_bytes
+    from .serving.http import run_http_bench
+
+    dev = resolve_device(device)
+    model, experiments = serving_experiments(dev)
+    target = replace(experiments["target"], systems=("continuous",), chapter="10")
+    lm = load_model(model, device=dev)
+    # The server's engine gets the same token budget and KV pool as the in-process one.
+    server_args = ["--device", str(dev),
+                   "--max-num-batched-tokens", str(target.max_num_batched_tokens[0]),
+                   "--kv-cache-bytes", str(target.kv_cache_bytes or default_pool_bytes(lm))]
+    runs, requests = [], []
+    with ServerProcess(model, *server_args) as server:
+        for round_ in range(rounds):
+            for mode in ("in-process", "http")[:: 1 if round_ % 2 == 0 else -1]:
+                results = (run_http_bench(lm, server.base_url, target.workload, chapter="10")
+                           if mode == "http" else run_serving_bench(lm, target, progress=False))
+                runs.append(results.runs.assign(experiment="target", round=round_))
+                requests.append(results.requests.assign(experiment="target", round=round_))
+                print(f"round {round_} {mode}:\n"
+                      f"{serving_summary_table(results.runs).to_string(index=False)}")
+    table = pd.concat(runs, ignore_index=True)
+    by_round = table.pivot_table(index="round", columns="system",
+                                 values=["output_throughput", "ttft_p50_ms"])
+    ratio = (by_round.output_throughput.http / by_round.output_throughput.continuous).median()
+    overhead = (by_round.ttft_p50_ms.http - by_round.ttft_p50_ms.continuous).median()
+    print(f"http / in-process output tokens/s: {ratio:.3f} (median of {rounds} rounds); "
+          f"TTFT p50 overhead: {overhead:.1f} ms")
+    out_dir = RESULTS / "ch10"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True))):
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        frame.to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
+
+
 def execute_notebook(chapter: str) -> None:
     """Re-execute the chapter notebook in place with the full preset. Headless machines
     without jupyter (our GPU box) skip this step; the CSV is what they contribute."""
@@ -250,6 +297,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         run_chapter07(device)
     elif chapter == "08":
         run_chapter08(device)
+    elif chapter == "10":
+        run_chapter10(device)
     else:
         run_chapter_bench(chapter, device)
     if execute_notebook_too:

@@ -17,6 +17,7 @@ import json
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,7 +83,9 @@ async def _serve(base_url: str, model: str, workload: Sequence[WorkloadRequest])
 
 def serve_http(base_url: str, model: str, workload: Sequence[WorkloadRequest]) -> ServingRun:
     """Send the workload to the server at ``base_url`` (ending in ``/v1``) in real time."""
-    return asyncio.run(_serve(base_url.rstrip("/"), model, workload))
+    # A thread of its own: where an event loop already runs (Jupyter's), asyncio.run refuses.
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(asyncio.run, _serve(base_url.rstrip("/"), model, workload)).result()
 
 
 def run_http_bench(lm: LoadedModel, base_url: str, workload: WorkloadConfig,
