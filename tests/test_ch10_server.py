@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import httpx
 import openai
+import pandas as pd
 import pytest
 from conftest import TEXTS
 
-from miniinfer import SamplingParams, make_engine
+from miniinfer import InvalidRequestError, SamplingParams, make_engine
 from miniinfer.cli import main
 from miniinfer.engines import continuous
 from miniinfer.server import Server, ServerConfig, ServerProcess, build_server
@@ -366,3 +367,17 @@ def test_workload_rate_is_kept_over_http(server, tiny):
     sent = [r.timeline.arrival - run.start for r in run.requests]
     assert all(math.isclose(s, w.arrival_s, abs_tol=0.05) for s, w in zip(sent, workload,
                                                                            strict=True))
+
+
+def test_cli_bench_serving_over_http_writes_chapter_08_tables(server, tmp_path):
+    out = tmp_path / "http.csv"
+    assert main(["bench-serving", "--model", "tiny", "--device", "cpu", "--base-url",
+                 server.base_url, "--num-requests", "4", "--prompt-len", "4,16",
+                 "--output-len", "2,4", "--no-warmup", "--chapter", "10", "--out", str(out)]) == 0
+    runs = pd.read_csv(out)
+    requests = pd.read_csv(tmp_path / "http-requests.csv")
+    assert runs.system.tolist() == ["http"] and runs.num_requests[0] == 4
+    assert requests.output_len.between(2, 4).all() and (requests.ttft_ms > 0).all()
+    # a server that serves another model is refused before anything is sent
+    with pytest.raises(InvalidRequestError, match="serves tiny, not smollm2-135m"):
+        serve_http(server.base_url, "smollm2-135m", [])
