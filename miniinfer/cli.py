@@ -1,4 +1,4 @@
-"""Command line: ``python -m miniinfer generate | bench | bench-serving | engines | models | results |
+"""Command line: ``python -m miniinfer generate | bench | bench-serving | serve | engines | models | results |
 repro NN``.
 
 User errors (unknown names, empty or over-long prompts, unreadable input files, an ``--out``
@@ -212,7 +212,13 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
 
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
-        results = run_serving_bench(lm, config)
+        if args.base_url:  # chapter 10: the same workload, sent to a running server
+            from .serving.http import run_http_bench
+
+            results = run_http_bench(lm, args.base_url, workload, config.request_rates,
+                                     config.warmup, args.chapter)
+        else:
+            results = run_serving_bench(lm, config)
     except KeyboardInterrupt as exc:
         raise _interrupted(exc, out, lambda r: print(summary_table(r.runs).to_string(index=False)),
                            write) from None
@@ -220,6 +226,16 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     if out is not None:
         write(results)
         print(f"wrote {out} (+ -requests, -steps)")
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from .server import ServerConfig, run_server
+
+    run_server(ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
+                            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            kv_cache_bytes=args.kv_cache_bytes, device=args.device,
+                            dtype=args.dtype))
 
 
 def cmd_engines(args: argparse.Namespace) -> None:
@@ -332,9 +348,27 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--seed", type=int, default=0)
     serving.add_argument("--no-warmup", action="store_true")
     serving.add_argument("--chapter", default="08", help="chapter tag written into the CSV")
+    serving.add_argument("--base-url", help="send the workload over HTTP to a running server "
+                         "(python -m miniinfer serve), e.g. http://127.0.0.1:8000/v1; "
+                         "--systems is not used then")
     serving.add_argument("--out", help="CSV path (requests and steps go next to it; Ctrl-C: "
                                        "the finished runs, marked partial)")
     serving.set_defaults(func=cmd_bench_serving)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chapter 10)")
+    model_args(serve, "smollm2-135m")
+    serve.add_argument("--engine", default="continuous",
+                       help="continuous or a stage built on it (prefix-cache)")
+    serve.add_argument("--host", default="127.0.0.1", help="127.0.0.1 (default): this machine only")
+    serve.add_argument("--port", type=int, default=8000, help="0: any free port")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    serve.add_argument("--max-waiting", type=int, default=1024,
+                       help="requests queued beyond those; more get HTTP 429")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512,
+                       help="token budget of one engine step")
+    serve.add_argument("--kv-cache-bytes", type=int, default=None,
+                       help="KV pool size (default: the engines' default pool)")
+    serve.set_defaults(func=cmd_serve)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
     sub.add_parser("models", help="list models").set_defaults(func=cmd_models)

@@ -97,6 +97,10 @@ CHAPTERS: dict[str, ChapterRun] = {
                      record=lambda device: run_chapter09(device),
                      plan=lambda chapter, device: serving_plan(*prefix_cache_experiments(device),
                                                                device, "shared-prefix")),
+    # Chapter 10 serves chapter 08's target workload in-process and over HTTP (run_chapter10).
+    "10": ChapterRun("10_openai_server.ipynb", ("continuous",),
+                     record=lambda device: run_chapter10(device),
+                     plan=lambda chapter, device: chapter10_plan(device)),
 }
 
 
@@ -392,16 +396,16 @@ PREFIX_LENS = (0, 128, 256, 512, 1024)
 def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
     """Model and the serving experiments of chapter 09 on this device (EOS ignored):
 
-    - ``shared-prefix``: the issue's target, 32 requests (256 on a GPU) arriving at once, one
+    - ``shared-prefix``: the issue's target, 32 requests (128 on a GPU) arriving at once, one
       512-token system prompt, 16-64-token questions, 32-96 new tokens; with ``hf-cb``;
-    - ``multi-turn``: 8 conversations (64 on a GPU) of 4 turns, messages of 16-64 tokens,
+    - ``multi-turn``: 8 conversations (32 on a GPU) of 4 turns, messages of 16-64 tokens,
       replies of 32-96, turns 5 s apart;
     - ``nothing-shared``: chapter 08's workload (prompts 16-256, 32-128 new tokens), the cost of
       the bookkeeping when no prompt shares a block;
-    - ``prefix-len``: 16 requests (128 on a GPU) at once, system prompts of 0 to 1024 tokens.
+    - ``prefix-len``: 16 requests (64 on a GPU) at once, system prompts of 0 to 1024 tokens.
     """
     gpu = device.type == "cuda"
-    scale = 8 if gpu else 1
+    scale = 4 if gpu else 1  # 4x: the whole `repro all` stays within 20 minutes on one H100
     pair = ("continuous", "prefix-cache")
     shared = WorkloadConfig(num_requests=32 * scale, prompt_len=(16, 64), output_len=(32, 96),
                             kind="shared-prefix", shared_prefix_len=512)
@@ -429,6 +433,51 @@ def run_chapter09(device: str | torch.device | None = "auto") -> list[Path]:
     dev = resolve_device(device)
     model, experiments = prefix_cache_experiments(dev)
     return record_serving(dev, "09", model, experiments)[1]
+
+
+def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -> list[Path]:
+    """Chapter 08's ``target`` workload served by the same engine twice per round: in this
+    process (``continuous``, as chapter 08 measures it) and over HTTP (``http``: a ``serve``
+    child process on this machine, measured at the client), the order alternating between
+    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``."""
+    from .server import ServerProcess
+    from .serving import default_pool_bytes
+    from .serving.http import run_http_bench
+
+    dev = resolve_device(device)
+    model, experiments = serving_experiments(dev)
+    target = replace(experiments["target"], systems=("continuous",), chapter="10")
+    lm = load_model(model, device=dev)
+    # The server's engine gets the same token budget and KV pool as the in-process one.
+    server_args = ["--device", str(dev),
+                   "--max-num-batched-tokens", str(target.max_num_batched_tokens[0]),
+                   "--kv-cache-bytes", str(target.kv_cache_bytes or default_pool_bytes(lm))]
+    runs, requests = [], []
+    with ServerProcess(model, *server_args) as server:
+        for round_ in range(rounds):
+            for mode in ("in-process", "http")[:: 1 if round_ % 2 == 0 else -1]:
+                results = (run_http_bench(lm, server.base_url, target.workload, chapter="10")
+                           if mode == "http" else run_serving_bench(lm, target, progress=False))
+                runs.append(results.runs.assign(experiment="target", round=round_))
+                requests.append(results.requests.assign(experiment="target", round=round_))
+                print(f"round {round_} {mode}:\n"
+                      f"{serving_summary_table(results.runs).to_string(index=False)}")
+    table = pd.concat(runs, ignore_index=True)
+    by_round = table.pivot_table(index="round", columns="system",
+                                 values=["output_throughput", "ttft_p50_ms"])
+    ratio = (by_round.output_throughput.http / by_round.output_throughput.continuous).median()
+    overhead = (by_round.ttft_p50_ms.http - by_round.ttft_p50_ms.continuous).median()
+    print(f"http / in-process output tokens/s: {ratio:.3f} (median of {rounds} rounds); "
+          f"TTFT p50 overhead: {overhead:.1f} ms")
+    out_dir = RESULTS / "ch10"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True))):
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        frame.to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
 
 
 def execute_notebook(chapter: str) -> None:
@@ -624,6 +673,17 @@ def chapter07_plan(device: torch.device) -> ChapterPlan:
 
 def chapter08_plan(device: torch.device) -> ChapterPlan:
     return serving_plan(*serving_experiments(device), device, "target")
+
+
+def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
+    """Chapter 08's target run with ``continuous``, in-process and over HTTP, ``rounds`` times
+    (the server loads a model of its own: a second load)."""
+    model, experiments = serving_experiments(device)
+    target = replace(experiments["target"], systems=("continuous",))
+    one = serving_plan(model, {"target": target}, device, "target")
+    load_s = device_costs(device).load_s
+    return replace(one, engines=("continuous", "http"), repeats=rounds,
+                   estimate_s=2 * load_s + 2 * rounds * (one.estimate_s - load_s))
 
 
 def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,

@@ -1,0 +1,241 @@
+"""The one thread that steps the engine. HTTP handlers run on the asyncio event loop and never
+touch the engine: they put commands (add, abort) on a queue and read their request's updates
+from an ``asyncio.Queue`` that this thread fills after each step.
+
+Why a thread and not an asyncio task: a step is a forward pass that holds the CPU (or waits on
+the GPU) for milliseconds to seconds; on the event loop it would freeze every connection for
+that long. In a thread, PyTorch releases the GIL inside its kernels, so the event loop keeps
+accepting requests and writing tokens to sockets while the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..engines.continuous import ContinuousEngine, StepResult
+from ..errors import MiniInferError
+from ..kv_cache import RequestId
+from ..sampling import SamplingParams
+from ..scheduler import FinishReason, Request
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+logger = logging.getLogger("miniinfer.server")
+
+
+@dataclass(slots=True)
+class Update:
+    """What one step did for one request: its new tokens, and how it ended if it did."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: APIError | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RequestHandle:
+    """The handler's side of one request. Updates arrive on ``updates`` in order."""
+
+    request_id: RequestId
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    event_loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    num_pushed: int = 0  # output tokens handed over so far (engine thread only)
+
+    def push(self, update: Update) -> None:
+        """From the engine thread: an asyncio.Queue is not thread-safe, so the put runs on
+        the event loop."""
+        self.event_loop.call_soon_threadsafe(self.updates.put_nowait, update)
+
+
+def _put_all(updates: list[tuple[RequestHandle, Update]]) -> None:
+    for handle, update in updates:
+        handle.updates.put_nowait(update)
+
+
+_STOP = object()  # commands besides a RequestHandle (add) and a RequestId (abort)
+_ABORT_ALL = object()
+
+
+class EngineLoop:
+    """Owns the engine. ``submit`` and ``abort`` may be called from any thread; everything
+    else runs on the loop's own thread."""
+
+    def __init__(self, engine: ContinuousEngine, metrics: ServerMetrics,
+                 max_waiting: int) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[RequestId, RequestHandle] = {}  # in the engine (loop thread only)
+        # Requests submitted but not yet taken off the command queue: two counters, each
+        # written by one thread only, so no lock is needed for their difference.
+        self._num_submitted = 0
+        self._num_taken = 0
+        self._thread = threading.Thread(target=self._run, name="miniinfer-engine-loop",
+                                        daemon=True)
+
+    # -- any thread -------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_submitted - self._num_taken + len(self.engine.scheduler.waiting)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, handle: RequestHandle) -> None:
+        """Queue a request, or refuse it with a 429 when ``max_waiting`` are already waiting:
+        backpressure, instead of a queue that grows until memory runs out."""
+        if self.num_waiting >= self.max_waiting:
+            raise APIError(429, f"the server is at capacity: {self.num_waiting} requests are "
+                           f"waiting (--max-waiting {self.max_waiting}); retry later",
+                           "rate_limit_error", code="queue_full")
+        self._num_submitted += 1
+        self._commands.put(handle)
+
+    def abort(self, request_id: RequestId) -> None:
+        self._commands.put(request_id)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort whatever is in flight and end the thread."""
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    def abort_all(self) -> None:
+        """Shutting down: every request in flight ends with a 503."""
+        self._commands.put(_ABORT_ALL)
+
+    # -- the loop thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Idle: block until a command comes. Busy: take what has come and step.
+            commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._abort_all("the server stopped")
+                    return
+                self._apply(command)
+            if engine.has_unfinished_requests():
+                self._step()
+
+    def _apply(self, command: RequestHandle | RequestId | object) -> None:
+        if command is _ABORT_ALL:
+            self._abort_all("the server is shutting down")
+        elif isinstance(command, RequestHandle):
+            self._num_taken += 1
+            self._add(command)
+        else:
+            handle = self._handles.pop(command, None)
+            request = self.engine.requests.get(command)
+            if handle is not None and request is not None:
+                self.engine.abort(command)
+                self.metrics.finished(request)
+
+    def _add(self, handle: RequestHandle) -> None:
+        try:
+            self.engine.add_request(handle.prompt_ids, handle.params, stop=handle.stop,
+                                    request_id=handle.request_id, arrival_time=handle.arrival)
+        except MiniInferError as exc:  # the handler checked first; this is a second line
+            handle.push(Update([], error=APIError(400, str(exc))))
+        else:
+            self._handles[handle.request_id] = handle
+
+    def _abort_all(self, message: str) -> None:
+        while True:  # requests still on the queue get the same answer
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, RequestHandle):
+                self._num_taken += 1
+                command.push(Update([], error=APIError(503, message, "server_error")))
+        for request_id, handle in list(self._handles.items()):
+            request = self.engine.requests[request_id]
+            self.engine.abort(request_id)
+            self.metrics.finished(request)
+            handle.push(Update([], error=APIError(503, f"{message}; request aborted",
+                                                  "server_error")))
+        self._handles.clear()
+
+    def _step(self) -> None:
+        before = {rid: r.num_preemptions for rid, r in self.engine.requests.items()}
+        try:
+            result = self.engine.step()
+        except Exception:
+            # The step put the requests it held back in the waiting queue (nothing is lost);
+            # they are the suspects.
+            logger.exception("a step failed; running its requests one at a time to find which")
+            suspects = [r for rid, r in self.engine.requests.items()
+                        if r.num_preemptions > before.get(rid, r.num_preemptions)]
+            self._isolate(suspects)
+        else:
+            self._publish(result)
+
+    def _publish(self, result: StepResult) -> None:
+        updates = []
+        for request in result.outputs:
+            handle = self._handles.get(request.request_id)
+            if handle is None:
+                continue
+            new = request.output_ids[handle.num_pushed:]
+            handle.num_pushed = len(request.output_ids)
+            if request.finished:
+                del self._handles[request.request_id]
+                self.metrics.finished(request)
+            updates.append((handle, Update(new, request.finish_reason)))
+        if updates:
+            # One wake-up of the event loop per step, not one per request (all handles live
+            # on the server's one event loop).
+            updates[0][0].event_loop.call_soon_threadsafe(_put_all, updates)
+
+    def _isolate(self, suspects: list[Request]) -> None:
+        """One forward serves many requests, so an exception in it does not say whose it is.
+        Each suspect runs alone until it produces a token: the one that fails again gets a
+        500 and leaves; the others go back to the front of the queue, and the loop serves on."""
+        scheduler = self.engine.scheduler
+        for request in reversed(list(scheduler.running)):  # oldest ends up first
+            scheduler.preempt(request)
+        others = [r for r in scheduler.waiting if r not in suspects]
+        scheduler.waiting.clear()
+        cleared = []
+        for request in suspects:
+            scheduler.waiting.append(request)
+            num_tokens = len(request.output_ids)
+            try:
+                while not request.finished and len(request.output_ids) == num_tokens:
+                    self._publish(self.engine.step())
+            except Exception as exc:
+                self._fail(request, exc)
+                continue
+            if not request.finished:
+                scheduler.preempt(request)
+                scheduler.waiting.remove(request)
+                cleared.append(request)
+        scheduler.waiting.extend(cleared + others)
+
+    def _fail(self, request: Request, exc: Exception) -> None:
+        logger.error("request %s failed: %r", request.request_id, exc)
+        handle = self._handles.pop(request.request_id, None)
+        self.engine.abort(request.request_id)
+        self.metrics.failed()
+        if handle is not None:
+            handle.push(Update([], error=APIError(
+                500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
+                "server_error")))
+

@@ -1,0 +1,383 @@
+"""Chapter 10: the OpenAI-compatible server, driven by the official ``openai`` client.
+
+One server on the tiny model runs in a thread for the whole module (output equality is all
+these tests need, and tiny answers in milliseconds); the backpressure test starts a second one
+with a queue of one, and the shutdown test a real child process, because SIGTERM goes to a
+process."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pandas as pd
+import pytest
+from conftest import TEXTS
+
+from miniinfer import InvalidRequestError, SamplingParams, make_engine
+from miniinfer.cli import main
+from miniinfer.engines import continuous
+from miniinfer.server import Server, ServerConfig, ServerProcess, build_server
+from miniinfer.serving import WorkloadConfig, make_workload, serve_continuous
+from miniinfer.serving.http import serve_http
+
+MAX_TOKENS = 12
+
+
+@dataclass
+class RunningServer:
+    server: Server
+    base_url: str
+
+    def client(self) -> openai.OpenAI:
+        # No retries: a 429 or a 500 must reach the test as it is.
+        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics").text
+        return {name: float(value) for name, value in
+                re.findall(r"^(miniinfer_\S+) (\S+)$", text, flags=re.MULTILINE)}
+
+
+@contextmanager
+def running_server(lm, **options) -> Iterator[RunningServer]:
+    server, sock = build_server(ServerConfig(model=lm.name, port=0, **options), lm=lm)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    host, port = sock.getsockname()[:2]
+    try:
+        yield RunningServer(server, f"http://{host}:{port}/v1")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny) -> Iterator[RunningServer]:
+    with running_server(tiny) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    """Greedy text of the offline engine, as ``generate`` prints it."""
+    engine = make_engine("continuous", tiny)
+
+    def generate(prompt_ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[str, list[int]]:
+        ids = engine.generate([prompt_ids], SamplingParams(max_new_tokens=max_tokens)).token_ids[0]
+        return tiny.tokenizer.decode(ids, skip_special_tokens=True), ids
+
+    return generate
+
+
+def finish_reason(ids: list[int], tiny) -> str:
+    return "stop" if ids[-1] == tiny.eos_token_id else "length"
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list()] == ["tiny"]
+    assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+
+
+def test_greedy_completions_equal_offline_generate(server, tiny, offline):
+    client = server.client()
+    for text in TEXTS[:4]:
+        prompt_ids = tiny.tokenizer.encode(text)
+        expected, ids = offline(prompt_ids)
+        out = client.completions.create(model="tiny", prompt=text, max_tokens=MAX_TOKENS,
+                                        temperature=0)
+        assert out.choices[0].text == expected
+        assert out.choices[0].finish_reason == finish_reason(ids, tiny)
+        assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt_ids),
+                                                                          len(ids))
+        assert out.usage.total_tokens == len(prompt_ids) + len(ids)
+
+
+def test_streamed_deltas_join_to_the_whole_text(server, tiny):
+    client = server.client()
+    for text in TEXTS[:3]:
+        whole = client.completions.create(model="tiny", prompt=text, max_tokens=20,
+                                          temperature=0)
+        chunks = list(client.completions.create(
+            model="tiny", prompt=text, max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+        assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    # The chat stream opens with the role and ends with the finish reason, as OpenAI's does.
+    messages = [{"role": "user", "content": TEXTS[0]}]
+    chat = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                               temperature=0, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("stop", "length")
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                           temperature=0)
+    assert "".join(c.choices[0].delta.content or "" for c in chat) == \
+        whole.choices[0].message.content
+
+
+def test_chat_completions_equal_generate_chat(server, capsys):
+    question = "Name three colours."
+    assert main(["generate", "--model", "tiny", "--engine", "continuous", "--device", "cpu",
+                 "--chat", "--prompt", question, "--max-new-tokens", str(MAX_TOKENS),
+                 "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)["text"]
+    out = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
+        temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected
+
+
+def test_stop_string_ends_the_answer_and_is_left_out(server, tiny, offline):
+    prompt = tiny.tokenizer.encode(TEXTS[2])
+    full, _ = offline(prompt, 24)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop and stop.strip(), f"the greedy text is too short to cut: {full!r}"
+    expected = full[:full.find(stop)]
+    client = server.client()
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
+                                            temperature=0, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_seeded_sampling_repeats(server):
+    client = server.client()
+    args = dict(model="tiny", prompt=TEXTS[0], max_tokens=8, temperature=0.9, top_p=0.9, seed=7)
+    assert client.completions.create(**args).choices[0].text == \
+        client.completions.create(**args).choices[0].text
+
+
+def test_32_concurrent_clients_each_get_their_own_answer(server, tiny, offline):
+    # Different prompts and lengths; half streamed: a lost or swapped answer shows.
+    long_ids = tiny.tokenizer.encode(" ".join(TEXTS))
+    jobs = [(long_ids[i: i + 5 + i % 7], 4 + i % 9, i % 2 == 0) for i in range(32)]
+    expected = [offline(prompt, n) for prompt, n, _ in jobs]
+    client = server.client()
+
+    def ask(job):
+        prompt, n, stream = job
+        if stream:
+            chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                               temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                         temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, jobs))
+    assert answers == [text for text, _ in expected]
+
+
+def test_http_benchmark_client_gets_the_in_process_tokens(server, tiny):
+    workload = make_workload(tiny, WorkloadConfig(num_requests=6, prompt_len=(4, 24),
+                                                  output_len=(2, 8), seed=3))
+    over_http = serve_http(server.base_url, "tiny", workload)
+    in_process = serve_continuous(make_engine("continuous", tiny), workload)
+    assert [r.output_ids for r in over_http.requests] == \
+        [r.output_ids for r in in_process.requests]
+    for r, w in zip(over_http.requests, workload, strict=True):
+        t = r.timeline
+        assert len(t.token_times) == w.max_new_tokens
+        assert t.arrival <= t.first_scheduled <= t.first_token <= t.finish
+
+
+def _wait_for(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, tiny):
+    before = server.metrics().get('miniinfer_requests_total{finish_reason="abort"}', 0.0)
+    body = {"model": "tiny", "prompt": TEXTS[0], "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert server.metrics()["miniinfer_kv_blocks_in_use"] > 0
+    # The connection is closed after 1 of 400 tokens.
+    assert _wait_for(lambda: server.metrics().get(
+        'miniinfer_requests_total{finish_reason="abort"}', 0.0) == before + 1)
+    metrics = server.metrics()
+    assert metrics["miniinfer_kv_blocks_in_use"] == 0
+    assert metrics["miniinfer_num_requests_running"] == 0
+
+
+def test_metrics_count_requests_and_tokens(server):
+    before = server.metrics()
+    out = server.client().completions.create(model="tiny", prompt=TEXTS[1], max_tokens=5,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    after = server.metrics()
+    assert after['miniinfer_requests_total{finish_reason="length"}'] == \
+        before.get('miniinfer_requests_total{finish_reason="length"}', 0) + 1
+    assert after["miniinfer_generation_tokens_total"] - before["miniinfer_generation_tokens_total"] \
+        == out.usage.completion_tokens == 5
+    assert after["miniinfer_prompt_tokens_total"] - before["miniinfer_prompt_tokens_total"] == \
+        out.usage.prompt_tokens
+    assert after["miniinfer_time_to_first_token_seconds_count"] == \
+        before["miniinfer_time_to_first_token_seconds_count"] + 1
+    assert after["miniinfer_prefix_cache_hit_rate"] == 0  # continuous has no prefix cache
+
+
+ERROR_CASES = [  # (body or raw bytes, status, words the message must hold, param)
+    (b"{not json", 400, "not valid JSON", None),
+    (b"[1, 2]", 400, "JSON object", None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist", "model"),
+    ({"prompt": "hi"}, 400, "model is required", "model"),
+    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n=2 is not supported", "n"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs=3 is not supported",
+     "logprobs"),
+    ({"model": "tiny", "prompt": "hi", "best_of": 2}, 400, "not supported", "best_of"),
+    ({"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, 400, "not supported",
+     "frequency_penalty"),
+    ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+    ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "stop"),
+    ({"model": "tiny", "prompt": "hi", "colour": "red"}, 400, "unrecognized", "colour"),
+    ({"model": "tiny", "prompt": ""}, 400, "empty", "prompt"),
+    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "several prompts", "prompt"),
+    ({"model": "tiny", "prompt": [1, 10**9]}, 400, "outside", "prompt"),
+    ({"model": "tiny", "prompt": "word " * 600}, 400, "context", "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 100000}, 400, "context", "prompt"),
+    ({"model": "tiny", "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream=true", "stream_options"),
+]
+
+
+@pytest.mark.parametrize("body,status,words,param", ERROR_CASES)
+def test_errors_in_openai_shape(server, body, status, words, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.base_url + "/completions", content=content,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"] and error["param"] == param
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"model": "tiny", "messages": []}, "messages must be a non-empty list"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
+     "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 600}]}, "context"),
+])
+def test_chat_errors(server, body, words):
+    response = httpx.post(server.base_url + "/chat/completions", json=body)
+    assert response.status_code == 400 and words in response.json()["error"]["message"]
+
+
+def test_the_official_client_raises_its_own_errors(server):
+    client = server.client()
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.completions.create(model="tiny", prompt="hi", n=3)
+
+
+def test_full_waiting_queue_answers_429(tiny):
+    with running_server(tiny, max_waiting=1) as small:
+        # Hold the engine before its next step, so the first request stays in the queue.
+        engine_loop = small.server.engine_loop
+        engine = engine_loop.engine
+        gate, step = threading.Event(), engine.step
+        engine.step = lambda: gate.wait() and step()
+        client = small.client()
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.completions.create, model="tiny", prompt="hi",
+                                max_tokens=2)
+            assert _wait_for(lambda: engine_loop.num_waiting == 1)
+            with pytest.raises(openai.RateLimitError, match="1 requests are waiting"):
+                client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+            gate.set()
+            assert first.result().usage.completion_tokens >= 1  # the queued one is served
+
+
+def test_an_exception_in_one_request_fails_it_alone(server, tiny, offline, monkeypatch):
+    real_sample = continuous.sample
+
+    def sample_failing_for_seed_666(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("planted fault")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(continuous, "sample", sample_failing_for_seed_666)
+    client = server.client()
+    prompt = tiny.tokenizer.encode(TEXTS[5])
+    expected, _ = offline(prompt, 40)
+    errors_before = server.metrics().get('miniinfer_requests_total{finish_reason="error"}', 0)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
+                                       temperature=0, stream=True)
+    first = next(stream).choices[0].text  # the healthy request runs
+    with pytest.raises(openai.InternalServerError, match="planted fault"):
+        client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=4,
+                                  temperature=1.0, seed=666)
+    assert first + "".join(c.choices[0].text for c in stream) == expected
+    assert server.metrics()['miniinfer_requests_total{finish_reason="error"}'] == \
+        errors_before + 1
+    # and the loop serves on
+    assert client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=3,
+                                     temperature=0).choices[0].finish_reason in ("stop", "length")
+
+
+def test_serve_refuses_a_static_engine(capsys):
+    assert main(["serve", "--model", "tiny", "--engine", "paged-attention"]) == 2
+    assert "add_request" in capsys.readouterr().err
+
+
+def test_sigterm_aborts_in_flight_requests_and_exits_0():
+    with ServerProcess("tiny", "--device", "cpu") as proc:
+        client = openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt="Hello", max_tokens=480,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        next(stream)
+        started = time.monotonic()
+        assert proc.stop() == 0
+        assert time.monotonic() - started < 10  # it did not wait for the 480 tokens
+        with pytest.raises(openai.APIError, match="shutting down"):
+            list(stream)
+
+
+def test_workload_rate_is_kept_over_http(server, tiny):
+    workload = make_workload(tiny, WorkloadConfig(num_requests=4, request_rate=20.0,
+                                                  prompt_len=(4, 8), output_len=(2, 3), seed=1))
+    run = serve_http(server.base_url, "tiny", workload)
+    sent = [r.timeline.arrival - run.start for r in run.requests]
+    assert all(math.isclose(s, w.arrival_s, abs_tol=0.05) for s, w in zip(sent, workload,
+                                                                           strict=True))
+
+
+def test_cli_bench_serving_over_http_writes_chapter_08_tables(server, tmp_path):
+    out = tmp_path / "http.csv"
+    assert main(["bench-serving", "--model", "tiny", "--device", "cpu", "--base-url",
+                 server.base_url, "--num-requests", "4", "--prompt-len", "4,16",
+                 "--output-len", "2,4", "--no-warmup", "--chapter", "10", "--out", str(out)]) == 0
+    runs = pd.read_csv(out)
+    requests = pd.read_csv(tmp_path / "http-requests.csv")
+    assert runs.system.tolist() == ["http"] and runs.num_requests[0] == 4
+    assert requests.output_len.between(2, 4).all() and (requests.ttft_ms > 0).all()
+    # a server that serves another model is refused before anything is sent
+    with pytest.raises(InvalidRequestError, match="serves tiny, not smollm2-135m"):
+        serve_http(server.base_url, "smollm2-135m", [])
