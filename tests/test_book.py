@@ -145,6 +145,8 @@ def test_chapter_table_shows_a_chapter_once_its_notebook_and_stage_exist(tmp_pat
     import miniinfer.engines as engines
 
     monkeypatch.setattr(book, "CHAPTERS_DIR", tmp_path)
+    # The book as it was before chapter 09's stage landed: neither its notebook nor its stage.
+    monkeypatch.delitem(engines.ENGINES, "prefix-cache", raising=False)
     (tmp_path / "02_paged.ipynb").write_text(json.dumps(
         {"cells": [{"cell_type": "markdown", "source": ["# Chapter 02 — Blocks\n", "text"]}]}))
 
