@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from .devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
 from .engines import Engine, GenerationResult, make_engine

@@ -226,7 +226,9 @@ def plot_what_it_buys(df: pd.DataFrame, baseline: str = "hf"):
     import numpy as np
 
     devices = list(dict.fromkeys(df.device_name))
-    fig, axes = plt.subplots(len(devices), 3, figsize=(15, 3.8 * len(devices)), squeeze=False)
+    colours = {e: f"C{i}" for i, e in enumerate(dict.fromkeys(df.engine))}  # same in every panel
+    fig, axes = plt.subplots(len(devices), 3, figsize=(15, 3.8 * len(devices) + 0.6),
+                             squeeze=False)
     for row, name in enumerate(devices):
         dev = df[df.device_name == name]
         batches = sorted(dev.batch_size.unique())
@@ -240,24 +242,28 @@ def plot_what_it_buys(df: pd.DataFrame, baseline: str = "hf"):
             if {"pct_of_hf_min", "pct_of_hf_max"} <= set(rows.columns) \
                     and rows.pct_of_hf_min.notna().all():
                 err = [rows.pct_of_hf - rows.pct_of_hf_min, rows.pct_of_hf_max - rows.pct_of_hf]
-            ax.bar(x, rows.pct_of_hf, width, yerr=err, capsize=3, label=engine)
+            ax.bar(x, rows.pct_of_hf, width, yerr=err, capsize=3, label=engine,
+                   color=colours[engine])
         ax.axhline(100, color="k", lw=1)
         low = dev.get("pct_of_hf_min", dev.pct_of_hf).min()
         ax.set(xticks=range(len(batches)), xticklabels=batches, xlabel="batch size",
                ylabel=f"% of {baseline} tok/s (end to end)",
                ylim=(min(50, low - 5), None), title=f"{name}: what each stage buys")
-        ax.legend(fontsize="small", loc="lower left")
         decode = (dev.decode_tok_s if "decode_tok_s" in dev.columns
                   else dev.batch_size / dev.step_ms * 1e3)  # older runs: from the median step
         for engine, group in dev.assign(decode=decode).groupby("engine", sort=False):
-            axes[row][1].plot(group.batch_size, group.decode, marker="o", label=engine)
-            axes[row][2].plot(group.batch_size, group.ttft_ms, marker="o", label=engine)
+            axes[row][1].plot(group.batch_size, group.decode, marker="o", label=engine,
+                              color=colours[engine])
+            axes[row][2].plot(group.batch_size, group.ttft_ms, marker="o", label=engine,
+                              color=colours[engine])
         axes[row][1].set(xlabel="batch size", ylabel="decode-only tokens / s", xticks=batches,
                          title="decode (tokens after the first)")
         axes[row][2].set(xlabel="batch size", ylabel="ms", xticks=batches,
                          title="time to first token (prefill)")
-        axes[row][2].legend(fontsize="small")
-    fig.tight_layout()
+    # One legend for the figure, under it: inside an axis it would cover bars or lines.
+    fig.legend(*axes[0][1].get_legend_handles_labels(), loc="lower center",
+               ncol=len(colours), fontsize="small", frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))
     return fig
 
 
@@ -301,6 +307,16 @@ def context_sentences(df: pd.DataFrame) -> list[str]:
                          f"step ({100 * kv[long] / rows.profiled_step_ms[long]:.0f}% of it at "
                          f"{long})")
             lines.append(line)
+        # Each point is a single run: where hf's own step shrinks as its context grows, the
+        # machine drifted between points by at least that much, and so may every ratio.
+        hf = dev[dev.engine == "hf"].set_index("context_len").step_ms.sort_index()
+        drops = [(a, b) for a, b in zip(hf.index, hf.index[1:], strict=False)
+                 if hf[b] < 0.9 * hf[a]]
+        for a, b in drops:
+            lines.append(f"  caution: hf's step falls from {hf[a]:.1f} ms at context {a} to "
+                         f"{hf[b]:.1f} ms at {b}; more context cannot take less time, so the "
+                         f"machine drifted by {100 * (1 - hf[b] / hf[a]):.0f}% between those "
+                         f"single runs: read differences of that size as noise")
     return lines
 
 
@@ -308,29 +324,36 @@ def plot_context_sweep(df: pd.DataFrame):
     """Per recorded device: decode step time vs context length per engine (with the floor), and
     the paged stages' K/V phases (gather + build + write, from the profiled run) vs context."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     devices = list(dict.fromkeys(df.device_name))
+    # One colour per engine in both panels (hf has no bookkeeping panel line).
+    colours = {e: f"C{i}" for i, e in enumerate(dict.fromkeys(df.engine))}
     fig, axes = plt.subplots(len(devices), 2, figsize=(12, 4 * len(devices)), squeeze=False)
     for row, name in enumerate(devices):
         dev = df[df.device_name == name]
+        lengths = sorted(dev.context_len.unique())
         ax = axes[row][0]
         for engine, group in dev.groupby("engine", sort=False):
-            ax.plot(group.context_len, group.step_ms, marker="o", label=engine)
+            ax.plot(group.context_len, group.step_ms, marker="o", label=engine,
+                    color=colours[engine])
         floor = dev.drop_duplicates("context_len")
         ax.plot(floor.context_len, floor.floor_ms, "k--", label="speed of light")
-        ax.set(xscale="log", xlabel="context length (tokens per request)",
-               ylabel="ms per decode step", title=f"{name}: batch {dev.batch_size.iloc[0]}")
-        ax.set_xticks(sorted(dev.context_len.unique()), map(str, sorted(dev.context_len.unique())))
-        ax.legend(fontsize="small")
+        ax.set(xlabel="context length (tokens per request)", ylabel="ms per decode step",
+               title=f"{name}: batch {dev.batch_size.iloc[0]}", ylim=(0, None))
         ax = axes[row][1]
         kv_cols = [f"{p}_ms" for p in SWEEP_PHASES[:3] if f"{p}_ms" in dev]
         for engine, group in dev[dev.engine != "hf"].groupby("engine", sort=False):
             ax.plot(group.context_len, group[kv_cols].fillna(0).sum(axis=1), marker="o",
-                    label=engine)
-        ax.set(xscale="log", xlabel="context length", ylabel="ms per step (profiled)",
+                    label=engine, color=colours[engine])
+        ax.set(xlabel="context length", ylabel="ms per step (profiled)", ylim=(0, None),
                title="K/V bookkeeping: gather + build + write")
-        ax.set_xticks(sorted(dev.context_len.unique()), map(str, sorted(dev.context_len.unique())))
-        ax.legend(fontsize="small")
+        for ax in axes[row]:
+            # Log scale, one labelled tick per recorded length (its own minor labels overlap).
+            ax.set_xscale("log")
+            ax.set_xticks(lengths, map(str, lengths))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
 

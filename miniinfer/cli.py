@@ -234,7 +234,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_server(ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
                             max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            kv_cache_bytes=args.kv_cache_bytes, device=args.device,
+                            kv_cache_bytes=args.kv_cache_bytes,
+                            arrival_window_ms=args.arrival_window_ms, device=args.device,
                             dtype=args.dtype))
 
 
@@ -368,6 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="token budget of one engine step")
     serve.add_argument("--kv-cache-bytes", type=int, default=None,
                        help="KV pool size (default: the engines' default pool)")
+    serve.add_argument("--arrival-window-ms", type=float, default=5.0,
+                       help="an idle engine waits until no request has come for this long "
+                            "(at most 10x) before its first step, so a burst starts together "
+                            "(0: step at once)")
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)

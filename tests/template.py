@@ -28,3 +28,33 @@ def assert_greedy_matches_hf(engine: Engine, prompts: list[list[int]],
         ours = engine.generate([prompt], params).token_ids[0]
         assert ours == ref, f"{engine.name} alone, prompt {i} ({len(prompt)} tokens): " \
                             + first_difference(ours, ref)
+
+
+def drive_requests(engine, requests: dict, arrival: dict[int, int], to_abort: dict[int, int],
+                   min_steps: int, after_step=None) -> tuple[dict, set]:
+    """Step a continuous engine until it is idle and ``min_steps`` have run: request ``rid`` of
+    ``requests`` (id -> (prompt, params)) is added at step ``arrival[rid]``, and aborted at step
+    ``to_abort[rid]`` where it has one. ``after_step(engine)`` runs after every step. Returns
+    the finished requests by id and the ids whose abort took."""
+    finished, steps, aborted = {}, 0, set()
+    while engine.has_unfinished_requests() or steps < min_steps:
+        for rid in [r for r, s in arrival.items() if s == steps]:
+            engine.add_request(*requests[rid], request_id=rid)
+        for rid in [r for r, s in to_abort.items() if s == steps]:
+            if engine.abort(rid):
+                aborted.add(rid)
+        result = engine.step()
+        if after_step is not None:
+            after_step(engine)
+        finished.update((r.request_id, r) for r in result.outputs if r.finished)
+        steps += 1
+    return finished, aborted
+
+
+def assert_each_equals_naive(finished: dict, requests: dict, naive: Engine) -> None:
+    """Every finished request's tokens equal the naive engine's on its prompt alone."""
+    for rid, request in finished.items():
+        prompt, params = requests[rid]
+        ref = naive.generate([prompt], params).token_ids[0]
+        assert request.output_ids == ref, f"request {rid}: " + first_difference(
+            request.output_ids, ref)

@@ -7,9 +7,12 @@ from template import assert_greedy_matches_hf
 from torch.profiler import ProfilerActivity, profile
 
 from miniinfer import ENGINES, KVCacheFull, SamplingParams, make_engine
+from miniinfer.errors import UnknownNameError
 from miniinfer.profiling import set_ranges
 
 PAGED = ["paged-loop", "paged-vectorized", "paged-prealloc"]
+# Every paged engine, chapter 04's ablation variant too (the buffer, the old per-request write).
+PAGED_ENGINES = [*PAGED, "paged-prealloc:per-request"]
 DECODE_PHASES = ["prepare_inputs", "gather_batch_kv", "build_cache", "model_forward", "sample",
                  "write_decode_kv"]
 
@@ -19,7 +22,7 @@ def test_stages_are_registered_in_book_order():
     assert [ENGINES[name].chapter for name in PAGED] == ["02", "03", "04"]
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_paged_greedy_matches_hf(smollm2, template_prompts, hf_greedy, engine_name):
     engine = make_engine(engine_name, smollm2)
     assert_greedy_matches_hf(engine, template_prompts, hf_greedy)
@@ -37,7 +40,7 @@ def eos_case(smollm2):
     return prompts, params, make_engine("hf", smollm2).generate(prompts, params).token_ids
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_paged_stops_at_eos_like_hf(smollm2, eos_case, engine_name):
     prompts, params, hf = eos_case
     ours = make_engine(engine_name, smollm2).generate(prompts, params).token_ids
@@ -45,7 +48,7 @@ def test_paged_stops_at_eos_like_hf(smollm2, eos_case, engine_name):
     assert ours[0][-1] == smollm2.eos_token_id and len(ours[0]) < 48
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_seeded_sampling_equals_naive(tiny, engine_name):
     # Same logits bit for bit, so the same draws from the same generator.
     prompts = [[5, 6, 7], list(range(20, 53)), [9] * 16]
@@ -55,7 +58,7 @@ def test_seeded_sampling_equals_naive(tiny, engine_name):
     assert make_engine(engine_name, tiny).generate(prompts, params).token_ids == naive
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_small_blocks_cross_many_block_boundaries(tiny, engine_name):
     prompts = [[5, 6, 7], list(range(20, 41)), [9] * 8]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -64,7 +67,7 @@ def test_small_blocks_cross_many_block_boundaries(tiny, engine_name):
     assert engine.generate(prompts, params).token_ids == naive
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_pool_too_small_raises_and_frees_everything(tiny, engine_name):
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     # The prompts alone need 2 + 2 blocks: the second request cannot start.
@@ -81,7 +84,7 @@ def test_pool_too_small_raises_and_frees_everything(tiny, engine_name):
     assert len(engine.generate([[5] * 8], params).token_ids[0]) == 8
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_timing_has_one_stamp_per_token(tiny, engine_name):
     result = make_engine(engine_name, tiny).generate(
         [[5, 6, 7]], SamplingParams(max_new_tokens=5, ignore_eos=True))
@@ -95,7 +98,7 @@ def _ranges(engine, steps: int, prompts=([5, 6, 7], [8] * 20)) -> list:
     return prof.events()
 
 
-@pytest.mark.parametrize("engine_name", PAGED)
+@pytest.mark.parametrize("engine_name", PAGED_ENGINES)
 def test_decode_phases_are_profiler_ranges(tiny, engine_name):
     events = _ranges(make_engine(engine_name, tiny), steps=3)
     names = [e.name for e in events]
@@ -150,3 +153,21 @@ def test_prealloc_reuses_its_gather_buffer(tiny):
     buffer = engine.gather_buffer.data_ptr()
     engine.generate([[5, 6, 7]], params)
     assert engine.gather_buffer.data_ptr() == buffer
+
+
+def test_per_request_variant_keeps_the_buffer_and_writes_per_layer_and_request(tiny):
+    # Chapter 04's ablation: the same gather and cache as the stage, the write of chapter 03.
+    engine = make_engine("paged-prealloc:per-request", tiny)
+    layers = tiny.config.num_hidden_layers
+    events = _ranges(engine, steps=4, prompts=[[5] * 3, [6] * 7])
+    write = _ops_under(events, "write_decode_kv")
+    assert "aten::index_copy_" not in write
+    assert write.count("aten::copy_") == 4 * 2 * layers * 2  # steps x (K, V) x layers x rows
+    assert _ops_under(events, "gather_batch_kv").count("aten::index_select") == 4
+
+
+def test_unknown_kv_write_is_refused(tiny):
+    with pytest.raises(UnknownNameError, match="kv_write 'sideways'"):
+        make_engine("paged-prealloc", tiny, kv_write="sideways")
+    with pytest.raises(UnknownNameError, match="paged-prealloc:per-request"):
+        make_engine("paged-prealloc:per-row", tiny)

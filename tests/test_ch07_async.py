@@ -109,7 +109,7 @@ def test_variant_names_are_checked(tiny):
     with pytest.raises(UnknownNameError, match="async:sync"):
         resolve_engine("async:bogus")
     with pytest.raises(UnknownNameError, match="no variants"):
-        resolve_engine("paged-prealloc:sync")
+        resolve_engine("paged-vectorized:sync")
     with pytest.raises(UnknownNameError, match="paged-attention:registry"):
         resolve_engine("paged-attention:sync")
     with pytest.raises(UnknownNameError, match="unknown loop"):

@@ -8,7 +8,12 @@ import random
 
 import pytest
 from conftest import NEW_TOKENS
-from template import assert_greedy_matches_hf, first_difference
+from template import (
+    assert_each_equals_naive,
+    assert_greedy_matches_hf,
+    drive_requests,
+    first_difference,
+)
 
 from miniinfer import ENGINES, InvalidRequestError, MiniInferError, SamplingParams, make_engine
 from miniinfer.engines.continuous import ContinuousEngine
@@ -224,24 +229,11 @@ def test_stress_random_arrivals_aborts_and_a_small_pool(tiny):
                                                 ignore_eos=True))
     arrival = {rid: rng.randrange(0, 60) for rid in requests}
     to_abort = {rid: arrival[rid] + rng.randrange(0, 10) for rid in rng.sample(range(40), 8)}
-    finished, steps, aborted = {}, 0, set()
-    while engine.has_unfinished_requests() or steps < 60:
-        for rid in [r for r, s in arrival.items() if s == steps]:
-            engine.add_request(*requests[rid], request_id=rid)
-        for rid in [r for r, s in to_abort.items() if s == steps]:
-            if engine.abort(rid):
-                aborted.add(rid)
-        result = engine.step()
-        finished.update((r.request_id, r) for r in result.outputs if r.finished)
-        steps += 1
+    finished, aborted = drive_requests(engine, requests, arrival, to_abort, min_steps=60)
     assert set(finished) | aborted == set(requests) and not set(finished) & aborted
     preemptions = sum(r.num_preemptions for r in finished.values())
     assert preemptions > 0 and aborted
-    for rid, request in finished.items():
-        prompt, params = requests[rid]
-        ref = naive.generate([prompt], params).token_ids[0]
-        assert request.output_ids == ref, f"request {rid}: " + first_difference(
-            request.output_ids, ref)
+    assert_each_equals_naive(finished, requests, naive)
     assert_all_blocks_free(engine)
 
 

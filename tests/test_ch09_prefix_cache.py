@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from template import first_difference
+from template import assert_each_equals_naive, drive_requests, first_difference
 
 from miniinfer import ENGINES, InvalidRequestError, SamplingParams, make_engine
 from miniinfer.engines.prefix_cache import PrefixCacheEngine
@@ -214,25 +214,13 @@ def test_stress_shared_prefixes_aborts_and_a_small_pool(tiny):
                                                 ignore_eos=True))
     arrival = {rid: rng.randrange(0, 50) for rid in requests}
     to_abort = {rid: arrival[rid] + rng.randrange(0, 8) for rid in rng.sample(range(40), 6)}
-    finished, steps, aborted = {}, 0, set()
-    while engine.has_unfinished_requests() or steps < 50:
-        for rid in [r for r, s in arrival.items() if s == steps]:
-            engine.add_request(*requests[rid], request_id=rid)
-        for rid in [r for r, s in to_abort.items() if s == steps]:
-            if engine.abort(rid):
-                aborted.add(rid)
-        result = engine.step()
-        check_manager(engine.kv_cache.block_manager)
-        finished.update((r.request_id, r) for r in result.outputs if r.finished)
-        steps += 1
+    finished, aborted = drive_requests(
+        engine, requests, arrival, to_abort, min_steps=50,
+        after_step=lambda engine: check_manager(engine.kv_cache.block_manager))
     assert set(finished) | aborted == set(requests)
     assert sum(r.num_preemptions for r in finished.values()) > 0
     assert sum(r.num_cached_tokens for r in finished.values()) > 0
-    for rid, request in finished.items():
-        prompt, params = requests[rid]
-        ref = naive.generate([prompt], params).token_ids[0]
-        assert request.output_ids == ref, f"request {rid}: " + first_difference(
-            request.output_ids, ref)
+    assert_each_equals_naive(finished, requests, naive)
     assert_idle_cache(engine)
 
 

@@ -27,6 +27,7 @@ from miniinfer import InvalidRequestError, SamplingParams, make_engine
 from miniinfer.cli import main
 from miniinfer.engines import continuous
 from miniinfer.server import Server, ServerConfig, ServerProcess, build_server
+from miniinfer.server.engine_loop import EngineLoop, RequestHandle
 from miniinfer.serving import WorkloadConfig, make_workload, serve_continuous
 from miniinfer.serving.http import serve_http
 
@@ -222,6 +223,22 @@ def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, tiny):
     assert metrics["miniinfer_num_requests_running"] == 0
 
 
+def test_a_non_streamed_client_that_hangs_up_is_aborted(tiny):
+    # Nothing is written to a non-streamed client until the end; the watcher must notice it.
+    with running_server(tiny) as own:
+        engine = own.server.engine_loop.engine
+        gate, step = threading.Event(), engine.step
+        engine.step = lambda: gate.wait() and step()  # the answer cannot finish before we go
+        aborted = 'miniinfer_requests_total{finish_reason="abort"}'
+        body = {"model": "tiny", "prompt": TEXTS[0], "max_tokens": 50, "temperature": 0,
+                "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(own.base_url + "/completions", json=body, timeout=0.5)
+        gate.set()
+        assert _wait_for(lambda: own.metrics().get(aborted, 0.0) == 1)
+        assert _wait_for(lambda: own.metrics()["miniinfer_kv_blocks_in_use"] == 0)
+
+
 def test_metrics_count_requests_and_tokens(server):
     before = server.metrics()
     out = server.client().completions.create(model="tiny", prompt=TEXTS[1], max_tokens=5,
@@ -341,9 +358,71 @@ def test_an_exception_in_one_request_fails_it_alone(server, tiny, offline, monke
                                      temperature=0).choices[0].finish_reason in ("stop", "length")
 
 
+def _handle(request_id: int) -> RequestHandle:
+    return RequestHandle(request_id, [1, 2], SamplingParams(max_new_tokens=1), (),
+                         event_loop=None)
+
+
+def test_an_idle_engine_takes_a_burst_in_one_go():
+    # The loop's own queue, no engine: what an idle loop takes before its first step.
+    window = 0.05
+    loop = EngineLoop(None, None, max_waiting=16, arrival_window_s=window)
+
+    def burst() -> None:
+        for i in range(6):
+            loop._commands.put(_handle(i))
+            time.sleep(window / 10)
+
+    sender = threading.Thread(target=burst)
+    sender.start()
+    taken = loop._wait_for_arrivals()
+    sender.join()
+    assert [h.request_id for h in taken] == list(range(6))
+
+
+def test_a_lone_request_waits_one_window_and_no_window_waits_nothing():
+    window = 0.05
+    loop = EngineLoop(None, None, max_waiting=16, arrival_window_s=window)
+    loop._commands.put(_handle(0))
+    start = time.perf_counter()
+    assert len(loop._wait_for_arrivals()) == 1
+    assert window <= time.perf_counter() - start < 10 * window
+    at_once = EngineLoop(None, None, max_waiting=16, arrival_window_s=0.0)
+    for i in range(3):
+        at_once._commands.put(_handle(i))
+    assert len(at_once._wait_for_arrivals()) == 1  # the other two: taken without waiting
+    loop._commands.put(7)  # an abort wakes the loop at once, whatever the window
+    start = time.perf_counter()
+    assert loop._wait_for_arrivals() == [7] and time.perf_counter() - start < window
+
+
+def test_a_steady_stream_is_cut_at_ten_windows():
+    window = 0.02
+    loop = EngineLoop(None, None, max_waiting=1000, arrival_window_s=window)
+    stop = threading.Event()
+
+    def stream() -> None:
+        i = 0
+        while not stop.is_set():
+            loop._commands.put(_handle(i))
+            i += 1
+            time.sleep(window / 4)
+
+    sender = threading.Thread(target=stream)
+    sender.start()
+    start = time.perf_counter()
+    loop._wait_for_arrivals()
+    elapsed = time.perf_counter() - start
+    stop.set()
+    sender.join()
+    assert 9 * window <= elapsed < 10 * window + 0.5
+
+
 def test_serve_refuses_a_static_engine(capsys):
     assert main(["serve", "--model", "tiny", "--engine", "paged-attention"]) == 2
     assert "add_request" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "--arrival-window-ms", "-1"]) == 2
+    assert "arrival_window_ms must be in 0-1000, got -1.0" in capsys.readouterr().err
 
 
 def test_sigterm_aborts_in_flight_requests_and_exits_0():

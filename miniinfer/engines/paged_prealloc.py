@@ -10,6 +10,10 @@ and writes the new K/V back with a slice and a copy per layer and request. Here:
 - the cache hands the model views of the buffer, and the forward's "append" writes the new K/V
   into the free column instead of concatenating;
 - one ``index_copy_`` writes the new token's K/V of every layer and request into the pool.
+
+The variant ``paged-prealloc:per-request`` keeps the buffer but writes the new K/V back as
+``paged-vectorized`` does (a copy per layer and request), so chapter 04 can measure the buffer
+and the batched write apart.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
+from ..errors import UnknownNameError
 from ..models import LoadedModel
 from ..sampling import SamplingParams
-from .paged_loop import DecodeBatch, DenseKV
+from .paged_loop import DecodeBatch, DenseKV, PagedLoopEngine
 from .paged_vectorized import PagedVectorizedEngine
 
 
@@ -47,13 +52,25 @@ class BufferLayer(DynamicLayer):
         return self.keys, self.values
 
 
+# How the decode step's new K/V goes back to the pool: one index_copy_ for every layer and
+# request ("batched", the stage), or a copy per layer and request as before ("per-request").
+KV_WRITES = ("batched", "per-request")
+
+
 class PagedPreallocEngine(PagedVectorizedEngine):
     name = "paged-prealloc"
     chapter = "04"
     summary = "paged KV cache, reused gather buffer, one-op KV writes, no cat"
+    variant_option = "kv_write"
+    variants = KV_WRITES
 
-    def __init__(self, lm: LoadedModel, **kv_options: int | None) -> None:
+    def __init__(self, lm: LoadedModel, kv_write: str = "batched",
+                 **kv_options: int | None) -> None:
+        if kv_write not in KV_WRITES:
+            raise UnknownNameError(f"unknown kv_write {kv_write!r}; choose from "
+                                   f"{', '.join(KV_WRITES)}")
         super().__init__(lm, **kv_options)
+        self.kv_write = kv_write
         self.gather_buffer = torch.empty(0, dtype=lm.dtype, device=lm.device)
 
     def prefill(self, request_ids: list[int], prompts: list[list[int]],
@@ -97,6 +114,9 @@ class PagedPreallocEngine(PagedVectorizedEngine):
         return Cache(layers=[BufferLayer(keys, values) for keys, values in dense])
 
     def write_decode_kv(self, batch: DecodeBatch, cache: Cache) -> None:
+        if self.kv_write == "per-request":
+            # The buffer's last column is what the cache layers' keys/values end in.
+            return PagedLoopEngine.write_decode_kv(self, batch, cache)
         block_manager = self.kv_cache.block_manager
         for rid in batch.request_ids:
             block_manager.append(rid)

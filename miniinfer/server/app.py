@@ -51,6 +51,8 @@ class ServerConfig:
     max_waiting: int = 1024
     max_num_batched_tokens: int = 512
     kv_cache_bytes: int | None = None  # the KV pool; None: the engines' default pool
+    # An idle engine waits this long for more arrivals after the first (EngineLoop).
+    arrival_window_ms: float = 5.0
     device: str = "auto"
     dtype: str | None = None
 
@@ -58,6 +60,9 @@ class ServerConfig:
         for name in ("max_num_seqs", "max_waiting", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.arrival_window_ms <= 1000:
+            raise InvalidRequestError(f"arrival_window_ms must be in 0-1000, got "
+                                      f"{self.arrival_window_ms}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0-65535, got {self.port}")
         cls, _ = resolve_engine(self.engine)
@@ -79,10 +84,10 @@ def _sse(payload: dict[str, Any] | str) -> str:
 
 
 def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
-               max_waiting: int = 1024) -> FastAPI:
+               max_waiting: int = 1024, arrival_window_s: float = 0.0) -> FastAPI:
     """The app; its lifespan starts the engine loop and stops it (aborting what is left)."""
     metrics = ServerMetrics(engine)
-    engine_loop = EngineLoop(engine, metrics, max_waiting)
+    engine_loop = EngineLoop(engine, metrics, max_waiting, arrival_window_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,15 +152,25 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
         if request.stream:
             return StreamingResponse(_stream(request, responder, handle),
                                      media_type="text/event-stream")
-        return JSONResponse(await _collect(request, responder, handle))
+        return JSONResponse(await _collect(request, responder, handle, http_request))
 
     async def _collect(request: GenerationRequest, responder: Responder,
-                       handle: RequestHandle) -> dict[str, Any]:
+                       handle: RequestHandle, http_request: Request) -> dict[str, Any]:
+        """The whole answer at once. Nothing is written until the end, so nobody notices a
+        client that hangs up meanwhile; a watcher does: with the body read, the connection's
+        next ASGI message is ``http.disconnect``, and it only comes if the client goes."""
         token_ids: list[int] = []
         finished = False
+        gone = asyncio.ensure_future(_disconnected(http_request))
         try:
             while True:
-                update = await handle.updates.get()
+                next_update = asyncio.ensure_future(handle.updates.get())
+                await asyncio.wait((next_update, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not next_update.done():
+                    next_update.cancel()
+                    logger.info("client of %s went away; aborting it", handle.request_id)
+                    return {}  # nobody reads it; the finally aborts the request
+                update = next_update.result()
                 if update.error is not None:
                     finished = True
                     raise update.error
@@ -165,8 +180,13 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
                     text = TextStream(lm, request.stop).add(token_ids, update.finish_reason)
                     return responder.response(text, token_ids, update.finish_reason)
         finally:
-            if not finished:  # this handler failed or was cancelled: free the request's blocks
+            gone.cancel()
+            if not finished:  # failed, cancelled or abandoned: free the request's blocks
                 engine_loop.abort(handle.request_id)
+
+    async def _disconnected(http_request: Request) -> None:
+        while (await http_request.receive())["type"] != "http.disconnect":
+            pass
 
     async def _stream(request: GenerationRequest, responder: Responder,
                       handle: RequestHandle) -> AsyncIterator[str]:
@@ -220,7 +240,8 @@ def build_server(config: ServerConfig, lm: LoadedModel | None = None,
     is known before anything runs)."""
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
     engine = config.make_engine(lm)
-    app = create_app(lm, engine, config.model, config.max_waiting)
+    app = create_app(lm, engine, config.model, config.max_waiting,
+                     config.arrival_window_ms / 1e3)
     sock = socket.create_server((config.host, config.port))
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pandas as pd
-from tqdm import tqdm
+from tqdm.auto import tqdm
 
 from ..bench import own_threads
 from ..devices import LoadGuard, run_metadata
