@@ -494,7 +494,6 @@ def execute_notebook(chapter: str) -> None:
     without jupyter (our GPU box) skip this step; the CSV is what they contribute."""
     try:
         import nbformat
-        from jupyter_client.manager import KernelManager
         from nbclient import NotebookClient
     except ImportError:
         print("nbclient not installed: notebook not re-executed (the CSV is written)")
@@ -502,9 +501,7 @@ def execute_notebook(chapter: str) -> None:
     path = CHAPTERS_DIR / CHAPTERS[chapter].notebook
     nb = nbformat.read(path, as_version=4)
     os.environ.setdefault("MINIINFER_PRESET", "full")
-    # IPC sockets: over TCP the kernel warns on every start that its traffic is unencrypted.
-    kernel = KernelManager(kernel_name="python3", transport="ipc")
-    NotebookClient(nb, km=kernel, timeout=3600,
+    NotebookClient(nb, timeout=3600, kernel_name="python3",
                    resources={"metadata": {"path": str(CHAPTERS_DIR)}}).execute()
     nbformat.write(nb, path)
     print(f"re-executed {path.relative_to(REPO_ROOT)}")
