@@ -7,10 +7,10 @@
 ...                 miniinfer.SamplingParams(max_new_tokens=8)).token_ids
 """
 
+from .core.errors import InvalidRequestError, KVCacheFull, MiniInferError, UnknownNameError
+from .core.models import MODELS, LoadedModel, load_model
+from .core.sampling import SamplingParams
 from .engines import ENGINES, Engine, GenerationResult, make_engine
-from .errors import InvalidRequestError, KVCacheFull, MiniInferError, UnknownNameError
-from .models import MODELS, LoadedModel, load_model
-from .sampling import SamplingParams
 
 __all__ = [
     "ENGINES",

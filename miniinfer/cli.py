@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
-from .inputs import check_output_path, check_text, read_jsonl
+from .core.errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
+from .core.inputs import check_output_path, check_text, read_jsonl
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .serving import ServingResults
+    from .bench.serving import ServingResults
 
 USAGE_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -81,7 +81,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def _check_model(args: argparse.Namespace) -> None:
     """Model, device and dtype names, checked before anything loads."""
-    from .models import MODELS, resolve_device, resolve_dtype
+    from .core.models import MODELS, resolve_device, resolve_dtype
 
     if args.model not in MODELS:
         raise UnknownNameError(f"unknown model {args.model!r}; available models: {', '.join(MODELS)}")
@@ -108,9 +108,9 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any],
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from .core.models import load_model
+    from .core.sampling import SamplingParams
     from .engines import make_engine, resolve_engine
-    from .models import load_model
-    from .sampling import SamplingParams
 
     # Cheap checks first: a typo should not cost a model load.
     resolve_engine(args.engine)
@@ -121,13 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             ignore_eos=args.ignore_eos)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     tok = lm.tokenizer
-    if args.chat:
-        texts_in = [tok.apply_chat_template([{"role": "user", "content": t}],
-                                            add_generation_prompt=True, tokenize=False)
-                    for t in texts]
-    else:
-        texts_in = texts
-    prompts = [tok.encode(t) for t in texts_in]
+    prompts = [lm.chat_prompt([{"role": "user", "content": t}]) if args.chat else tok.encode(t)
+               for t in texts]
     result = make_engine(args.engine, lm).generate(prompts, params)
     for text, ids in zip(texts, result.token_ids, strict=True):
         out = tok.decode(ids, skip_special_tokens=True)
@@ -138,10 +133,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import BenchConfig, make_prompts, run_bench, summary_table
+    from .bench.offline import BenchConfig, make_prompts, run_bench, summary_table
+    from .core.models import load_model
+    from .core.sampling import SamplingParams
     from .engines import make_engine, resolve_engine
-    from .models import load_model
-    from .sampling import SamplingParams
 
     for name in args.engines:
         resolve_engine(name)
@@ -176,9 +171,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
-    from .models import load_model
-    from .serving import ServingBenchConfig, WorkloadConfig, run_serving_bench, summary_table
-    from .serving.workloads import read_dataset_texts
+    from .bench.serving import ServingBenchConfig, WorkloadConfig, run_serving_bench, summary_table
+    from .bench.serving.workloads import read_dataset_texts
+    from .core.models import load_model
 
     # Every argument is checked before the model loads.
     _check_model(args)
@@ -213,7 +208,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
         if args.base_url:  # chapter 10: the same workload, sent to a running server
-            from .serving.http import run_http_bench
+            from .bench.serving.http import run_http_bench
 
             results = run_http_bench(lm, args.base_url, workload, config.request_rates,
                                      config.warmup, args.chapter)
@@ -239,25 +234,35 @@ def cmd_serve(args: argparse.Namespace) -> None:
                             dtype=args.dtype))
 
 
+def cmd_chapters(args: argparse.Namespace) -> None:
+    from .book.chapters import chapters_markdown
+
+    print(chapters_markdown())
+
+
 def cmd_engines(args: argparse.Namespace) -> None:
+    """Every stage in book order, from the chapter registry, with its variants."""
+    from .book.chapters import CHAPTERS
     from .engines import ENGINES
 
-    for name, cls in ENGINES.items():
-        print(f"{name:18s} ch{cls.chapter}  {cls.summary}")
-        for variant in getattr(cls, "variants", ()):
-            print(f"  {name}:{variant}")
+    for chapter in CHAPTERS.values():
+        for name in chapter.stages:
+            cls = ENGINES[name]
+            print(f"{name:18s} ch{chapter.number}  {cls.summary}")
+            for variant in getattr(cls, "variants", ()):
+                print(f"  {name}:{variant}")
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from .models import MODELS
+    from .core.models import MODELS, dtype_name
 
     for name, spec in MODELS.items():
-        dtype = str(spec.default_dtype).removeprefix("torch.")
+        dtype = dtype_name(spec.default_dtype)
         print(f"{name:14s} {dtype:9s} {spec.description}")
 
 
 def cmd_repro(args: argparse.Namespace) -> None:
-    from .repro import reproduce, reproduce_all
+    from .book.repro import reproduce, reproduce_all
 
     if args.chapter == "all":
         chapters = args.chapters.split(",") if args.chapters else None
@@ -270,8 +275,8 @@ def cmd_repro(args: argparse.Namespace) -> None:
 
 
 def cmd_device(args: argparse.Namespace) -> None:
-    from .devices import DEVICES_CSV, device_speed
-    from .models import resolve_device
+    from .core.devices import DEVICES_CSV, device_speed
+    from .core.models import resolve_device
 
     speed = device_speed(resolve_device(args.device), store=args.measure, remeasure=args.measure)
     print(f"{speed.slug}: {speed.name}, {speed.bandwidth_gbs} GB/s, {speed.peak_gflops} GFLOP/s "
@@ -377,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)
     sub.add_parser("models", help="list models").set_defaults(func=cmd_models)
+    sub.add_parser("chapters", help="the chapter registry as the README's markdown table"
+                   ).set_defaults(func=cmd_chapters)
 
     sub.add_parser("results", help="recorded results as markdown tables").set_defaults(
         func=cmd_results)

@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 import torch
 
-from miniinfer import devices
-from miniinfer.bench import make_prompts
-from miniinfer.devices import (
+from miniinfer.bench.offline import make_prompts
+from miniinfer.bench.profiling import phase_table, profile_decode
+from miniinfer.core import devices
+from miniinfer.core.devices import (
     DeviceSpeed,
     LoadGuard,
     decode_floor,
@@ -21,7 +22,6 @@ from miniinfer.devices import (
     write_device,
 )
 from miniinfer.engines import make_engine
-from miniinfer.profiling import phase_table, profile_decode
 
 
 def test_busy_means_load_beyond_the_runs_own_threads_or_steal():
@@ -89,7 +89,8 @@ def test_phase_table_has_no_negative_time(tiny, engine):
 
 
 def test_context_sweep_rows_per_engine_and_length(tiny):
-    from miniinfer.repro import ContextSweep, run_context_sweep
+    from miniinfer.book.recordings import run_context_sweep
+    from miniinfer.book.workloads import ContextSweep
 
     speed = DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "2026-01-01")
     df = run_context_sweep(tiny, ("hf", "paged-loop", "paged-attention"),
@@ -156,7 +157,7 @@ def test_book_helpers_handle_old_and_new_results():
 
 
 def test_phase_repeats_give_a_median_inside_its_spread(tiny):
-    from miniinfer.profiling import phase_repeats, profile_decode, top_ops
+    from miniinfer.bench.profiling import phase_repeats, profile_decode, top_ops
 
     df = phase_repeats(tiny, "paged-attention", (1, 2), prompt_len=8, steps=2, repeats=2)
     assert set(df.batch_size) == {1, 2} and (df.repeats == 2).all()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from miniinfer.bench import BenchConfig, paired_pct, run_bench
+from miniinfer.bench.offline import BenchConfig, paired_pct, run_bench
 from miniinfer.engines import GenerationResult
 
 

@@ -8,18 +8,21 @@ import json
 import pandas as pd
 
 from miniinfer import ENGINES
+from miniinfer.bench.profiling import load_trace
 from miniinfer.book import (
     class_diff,
     package_map,
     pct_of_hf_spread_table,
     plot_stage_results,
     read_results,
+    show_diff,
     speed_of_light_table,
-    stage_diff,
     stage_results,
     stage_tree,
 )
-from miniinfer.profiling import load_trace
+from miniinfer.book.chapters import CHAPTERS, chapter_of_stage
+from miniinfer.book.overview import CHAPTERS_DIR, notebook_title
+from miniinfer.engines import Engine
 
 
 def test_commit_ids_stay_text(tmp_path):
@@ -42,7 +45,7 @@ def test_speed_of_light_shares_rescale_to_one_bandwidth(monkeypatch):
                             "engine": ["paged-loop"], "batch_size": 1, "pct_of_floor": [10.0],
                             "bandwidth_gbs": [30.0]}),
     }
-    monkeypatch.setattr("miniinfer.book.recorded_results",
+    monkeypatch.setattr("miniinfer.book.results.recorded_results",
                         lambda chapter: runs.get(chapter, pd.DataFrame()))
     table = speed_of_light_table(("01", "02")).iloc[0]
     assert table["hf"] == 15.0 and table["naive"] == 15.0 and table["paged-loop"] == 15.0
@@ -116,13 +119,15 @@ def test_class_diff_finds_the_inherited_version_further_up():
     assert '-    return "kept"' in change.diff and '+    return "changed"' in change.diff
 
 
-def test_every_stage_has_a_diff_and_continuous_builds_on_chapter_06():
+def test_every_stage_has_a_diff_and_continuous_holds_a_runner():
     for name, cls in ENGINES.items():
-        diff = stage_diff(name)
+        diff = show_diff(name)
         assert diff.cls is cls and diff.changes, name
-    # Chapter 08's text: continuous inherits chapter 06's forward, none of chapter 07's loops.
-    assert stage_diff("continuous").parent is ENGINES["paged-attention"]
-    assert stage_diff("async:overlap").cls is ENGINES["async"]
+    # Chapter 08's engine holds a model runner (chapter 06's forward) instead of inheriting a
+    # static-batch stage; prefix caching builds on it.
+    assert show_diff("continuous").parent is Engine
+    assert show_diff("prefix-cache").parent is ENGINES["continuous"]
+    assert show_diff("async:overlap").cls is ENGINES["async"]
 
 
 def test_stage_tree_nests_every_stage_under_its_parent_class():
@@ -140,34 +145,18 @@ def test_stage_tree_nests_every_stage_under_its_parent_class():
         assert parent == getattr(ENGINES[name].__mro__[1], "name", "Engine"), name
 
 
-def test_chapter_table_shows_a_chapter_once_its_notebook_and_stage_exist(tmp_path, monkeypatch):
-    import miniinfer.book as book
-    import miniinfer.engines as engines
+def test_chapter_table_is_the_registry_with_each_stages_module_and_summary():
+    from miniinfer.book import chapter_table
 
-    monkeypatch.setattr(book, "CHAPTERS_DIR", tmp_path)
-    # The book as it was before chapter 09's stage landed: neither its notebook nor its stage.
-    monkeypatch.delitem(engines.ENGINES, "prefix-cache", raising=False)
-    (tmp_path / "02_paged.ipynb").write_text(json.dumps(
-        {"cells": [{"cell_type": "markdown", "source": ["# Chapter 02 — Blocks\n", "text"]}]}))
-
-    def status(number):
-        return book.chapter_table().set_index("chapter").loc[number]
-
-    assert status("02").status == "in the book" and status("02").title == "Blocks"
-    assert status("09").status == "coming" and status("09").modules == ""
-    (tmp_path / "09_prefix_caching.ipynb").write_text(json.dumps({"cells": []}))
-    assert status("09").status == "coming"  # a notebook without its stage is not done
-
-    class PrefixCache(ENGINES["continuous"]):
-        name = "prefix-cache"
-        chapter = "09"
-        summary = "shared prompt blocks computed once"
-
-    monkeypatch.setitem(engines.ENGINES, "prefix-cache", PrefixCache)
-    row = status("09")
-    assert row.status == "in the book" and row.stage == "prefix-cache"
-    assert row.idea == "`prefix-cache`: shared prompt blocks computed once"
-    assert row.modules == __name__
+    table = chapter_table().set_index("chapter")
+    assert list(table.index) == list(CHAPTERS)
+    for number, chapter in CHAPTERS.items():
+        row = table.loc[number]
+        assert (row.title, row.notebook) == (chapter.title, chapter.notebook)
+        for stage in chapter.stages:
+            assert ENGINES[stage].__module__ in row.modules
+            assert f"`{stage}`: {ENGINES[stage].summary}" in row.idea
+    assert table.loc["05"].idea == CHAPTERS["05"].idea  # no stage: the registry's sentence
 
 
 def _bench_rows(device, chapter, engines_pct, bandwidth=10.0):
@@ -184,7 +173,7 @@ def test_stage_results_take_each_stage_from_its_latest_chapter_on_every_device(m
         "03": _bench_rows("cpu", "03", {"hf": 100.0, "paged-vectorized": 90.0,
                                         "paged-loop": 60.0}),
     }
-    monkeypatch.setattr("miniinfer.book.recorded_results",
+    monkeypatch.setattr("miniinfer.book.results.recorded_results",
                         lambda chapter: runs.get(chapter, pd.DataFrame()))
     df = stage_results(("02", "03"))
     cpu = df[df.device_name == "cpu"].set_index("engine")
@@ -199,16 +188,18 @@ def test_stage_results_take_each_stage_from_its_latest_chapter_on_every_device(m
 def test_package_map_assigns_each_stage_module_to_its_chapter():
     modules = package_map().set_index("module")
     for cls in ENGINES.values():
-        assert modules.loc[cls.__module__, "chapter"] == cls.chapter
-    assert modules.loc["miniinfer.kernels.reference", "chapter"] == "06"  # a package's children
+        assert modules.loc[cls.__module__, "chapter"] == chapter_of_stage(cls.name)
+    assert modules.loc["miniinfer.core.kernels.reference", "chapter"] == "06"  # a package's children
 
 
-def test_every_repro_chapter_has_its_notebook():
-    from miniinfer.repro import CHAPTERS, CHAPTERS_DIR
-
+def test_every_registered_chapter_has_its_notebook_under_its_title():
     assert "00" in CHAPTERS and CHAPTERS["00"].engines == ()
-    for run in CHAPTERS.values():
-        assert (CHAPTERS_DIR / run.notebook).exists(), run.notebook
+    for chapter in CHAPTERS.values():
+        path = CHAPTERS_DIR / chapter.notebook
+        assert path.exists(), chapter.notebook
+        assert notebook_title(path) == chapter.title, chapter.notebook
+    assert sorted(p.name for p in CHAPTERS_DIR.glob("[0-9][0-9]_*.ipynb")) == \
+        sorted(ch.notebook for ch in CHAPTERS.values())
 
 
 def test_load_trace_reads_a_gzipped_chrome_trace(tmp_path):
@@ -226,13 +217,11 @@ def test_load_trace_reads_a_gzipped_chrome_trace(tmp_path):
 
 
 def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
-    from miniinfer.book import CHAPTERS_DIR
-
-    # Chapter 10 is written on another branch; it joins this check once it has both.
-    for path in sorted(CHAPTERS_DIR.glob("0[0-9]_*.ipynb")):
-        cells = json.loads(path.read_text())["cells"]
+    # Chapter 10 has no exercises yet (its notebook ends with "What we learned").
+    for chapter in (ch for ch in CHAPTERS.values() if ch.number != "10"):
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
         text = ["".join(c["source"]) for c in cells]
-        assert any(t.startswith("## Exercises") for t in text), path.name
-        stages = [cls.name for cls in ENGINES.values() if cls.chapter == path.name[:2]]
-        if path.name[:2] >= "02" and stages:
-            assert any(f'show_diff("{s}")' in t for s in stages for t in text), path.name
+        assert any(t.startswith("## Exercises") for t in text), chapter.notebook
+        if chapter.number >= "02" and chapter.stages:
+            assert any(f'show_diff("{s}")' in t for s in chapter.stages for t in text), \
+                chapter.notebook

@@ -17,13 +17,11 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, m
 from transformers.masking_utils import AttentionMaskInterface
 
 from miniinfer import ENGINES, KVCacheFull, MiniInferError, SamplingParams, make_engine
-from miniinfer.engines.paged_attention import (
-    ATTN_IMPLEMENTATION,
-    PagedAttentionEngine,
-    attn_implementation,
-)
-from miniinfer.errors import UnknownNameError
-from miniinfer.kernels import triton_attention
+from miniinfer.book.chapters import chapter_of_stage
+from miniinfer.core.errors import UnknownNameError
+from miniinfer.core.kernels import triton_attention
+from miniinfer.engines.paged_attention import PagedAttentionEngine
+from miniinfer.runner.attention import ATTN_IMPLEMENTATION, attn_implementation
 
 DECODE_PHASES = ["prepare_inputs", "model_forward", "sample"]
 
@@ -32,14 +30,14 @@ def test_registered_after_paged_prealloc():
     names = list(ENGINES)
     assert names.index("paged-attention") == names.index("paged-prealloc") + 1
     assert ENGINES["paged-attention"] is PagedAttentionEngine
-    assert PagedAttentionEngine.chapter == "06"
+    assert chapter_of_stage(PagedAttentionEngine.name) == "06"
 
 
 @pytest.mark.parametrize("name", ["paged-attention", "paged-attention:registry"])
 def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy, name):
     engine = make_engine(name, smollm2)
-    assert engine.backend.name == "torch"  # "auto" on a CPU
-    assert engine.forward == ("registry" if name.endswith("registry") else "direct")
+    assert engine.runner.backend.name == "torch"  # "auto" on a CPU
+    assert engine.runner.forward_name == ("registry" if name.endswith("registry") else "direct")
     assert_greedy_matches_hf(engine, template_prompts, hf_greedy)
     manager = engine.kv_cache.block_manager
     assert manager.num_free_blocks == manager.num_blocks
@@ -166,7 +164,7 @@ def test_direct_forward_runs_qwen2_with_its_biases(tiny):
     prompts = [[5, 6, 7], [8] * 20, list(range(100, 117))]
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     engine = make_engine("paged-attention", qwen2)
-    assert engine.forward == "direct"
+    assert engine.runner.forward_name == "direct"
     assert engine.generate(prompts, params).token_ids == \
         make_engine("hf", qwen2).generate(prompts, params).token_ids
 
@@ -174,7 +172,7 @@ def test_direct_forward_runs_qwen2_with_its_biases(tiny):
 def test_other_architectures_fall_back_to_the_registry(tiny):
     mistral = _tiny_model(tiny, "mistral", sliding_window=None)
     engine = make_engine("paged-attention", mistral)
-    assert engine.forward == "registry"
+    assert engine.runner.forward_name == "registry"
     prompts, params = [[5, 6, 7], [8] * 20], SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert engine.generate(prompts, params).token_ids == \
         make_engine("hf", mistral).generate(prompts, params).token_ids
@@ -254,7 +252,7 @@ tiny = load_model("tiny", device="cpu")
 prompts = [[5, 6, 7], list(range(20, 41)), [9] * 8]
 params = SamplingParams(max_new_tokens=5, ignore_eos=True)
 engine = make_engine("paged-attention", tiny, attention_backend="triton", block_size=16)
-assert engine.backend.name == "triton"
+assert engine.runner.backend.name == "triton"
 ours = engine.generate(prompts, params).token_ids
 assert ours == make_engine("naive", tiny).generate(prompts, params).token_ids, ours
 print("ok")

@@ -8,6 +8,7 @@ import torch
 from template import assert_greedy_matches_hf
 
 from miniinfer import ENGINES, KVCacheFull, SamplingParams, UnknownNameError, make_engine
+from miniinfer.book.chapters import chapter_of_stage
 from miniinfer.engines import async_loop, resolve_engine
 from miniinfer.engines.async_loop import LOOPS, AsyncEngine
 
@@ -17,7 +18,7 @@ CPU_LOOPS = ["sync", "overlap"]
 def test_registered_after_paged_attention():
     names = list(ENGINES)
     assert names.index("async") == names.index("paged-attention") + 1
-    assert AsyncEngine.chapter == "07"
+    assert chapter_of_stage(AsyncEngine.name) == "07"
     assert set(LOOPS) <= set(AsyncEngine.variants)
 
 
@@ -122,7 +123,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.fixture(scope="module")
 def qwen_bf16():
-    from miniinfer.models import load_model
+    from miniinfer.core.models import load_model
 
     return load_model("qwen2.5-7b", device="cuda")
 
@@ -139,7 +140,7 @@ def test_every_loop_matches_paged_attention_on_gpu(qwen_bf16, batch_size):
     # Exact tokens in fp32 (Qwen2.5-7B's layout, a few layers): a graph replays the bucket
     # (4 rows for a batch of 3), and in bf16 a GEMM of another shape may take another cuBLAS
     # algorithm and flip a near-tie. Those flips are checked against a logit tolerance below.
-    from miniinfer.equality import equality_model
+    from miniinfer.bench.equality import equality_model
 
     lm = equality_model(qwen_bf16)
     prompts = gpu_prompts(batch_size)
@@ -157,7 +158,7 @@ def test_every_loop_matches_paged_attention_on_gpu(qwen_bf16, batch_size):
 def test_graph_replay_equals_eager_in_bf16(qwen_bf16, batch_size):
     # Like with like: at a bucket's own size the graph runs the eager step's kernels on the
     # same shapes, so bf16 tokens are equal; padded to a bucket they may flip near-ties only.
-    from miniinfer.equality import compare_greedy
+    from miniinfer.bench.equality import compare_greedy
 
     prompts = gpu_prompts(batch_size)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)

@@ -16,8 +16,9 @@ from template import (
 )
 
 from miniinfer import ENGINES, InvalidRequestError, MiniInferError, SamplingParams, make_engine
+from miniinfer.book.chapters import chapter_of_stage
+from miniinfer.core.scheduler import FinishReason
 from miniinfer.engines.continuous import ContinuousEngine
-from miniinfer.scheduler import FinishReason
 
 GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
@@ -48,7 +49,7 @@ def assert_all_blocks_free(engine: ContinuousEngine) -> None:
 def test_registered_after_paged_attention():
     names = list(ENGINES)
     assert names.index("continuous") > names.index("paged-attention")
-    assert ENGINES["continuous"] is ContinuousEngine and ContinuousEngine.chapter == "08"
+    assert ENGINES["continuous"] is ContinuousEngine and chapter_of_stage("continuous") == "08"
 
 
 def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy):
@@ -203,7 +204,7 @@ def test_a_failed_step_drops_nothing(tiny, monkeypatch):
         raise RuntimeError("device lost")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine, "model_forward", boom)
+        patch.setattr(engine.runner, "forward", boom)
         with pytest.raises(RuntimeError, match="device lost"):
             engine.step()
     manager = engine.kv_cache.block_manager
@@ -240,7 +241,7 @@ def test_stress_random_arrivals_aborts_and_a_small_pool(tiny):
 def test_decodes_and_chunks_use_their_own_kernels(tiny, monkeypatch):
     engine = make_engine("continuous", tiny, max_num_batched_tokens=12)
     calls = []
-    backend = engine.backend
+    backend = engine.runner.backend
 
     def spy(kind, fn):
         def wrapped(q, *args, **kwargs):
@@ -250,8 +251,8 @@ def test_decodes_and_chunks_use_their_own_kernels(tiny, monkeypatch):
 
     spied = type(backend)(backend.name, spy("decode", backend.decode),
                           spy("varlen", backend.varlen))
-    monkeypatch.setattr(engine, "backend", spied)
-    monkeypatch.setattr(engine, "prefill_backend", spied)
+    monkeypatch.setattr(engine.runner, "backend", spied)
+    monkeypatch.setattr(engine.runner, "prefill_backend", spied)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     engine.add_request([5, 6, 7], params)
     engine.step()  # prefill of 3 tokens
@@ -260,3 +261,52 @@ def test_decodes_and_chunks_use_their_own_kernels(tiny, monkeypatch):
     engine.step()  # 1 decode + an 11-token chunk
     layers = tiny.config.num_hidden_layers
     assert calls == [("decode", 1), ("varlen", 11)] * layers
+
+
+class StubRunner:
+    """A runner that runs no model: its logits make each request's next token its own count of
+    tokens so far (prompt + output), so the expected output is known without any forward. It
+    keeps the real pool's block bookkeeping, which the scheduler needs."""
+
+    def __init__(self, kv_cache, vocab: int) -> None:
+        self.kv_cache = kv_cache
+        self.vocab = vocab
+        self.steps: list[list[tuple]] = []  # per step: (request id, tokens fed)
+
+    def paged_attention(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def execute(self, batch):
+        import torch
+
+        self.steps.append([(r.request_id, n) for r, n in batch.scheduled])
+        sampled = [r for r, n in batch.scheduled if r.num_computed_tokens + n == r.num_tokens]
+        logits = torch.zeros(len(sampled), self.vocab)
+        for row, request in enumerate(sampled):
+            logits[row, request.num_tokens % self.vocab] = 1.0
+        return logits, sampled
+
+
+def test_continuous_engine_loops_over_any_runner(tiny):
+    """The engine loops, the scheduler decides, the runner runs: on a stub runner the engine
+    produces the stub's tokens, with chapter 08's policy (a chunked prompt, then decodes)."""
+    from miniinfer.runner import ModelRunner
+
+    real = ModelRunner(tiny)
+    stub = StubRunner(real.kv_cache, tiny.config.vocab_size)
+    engine = ContinuousEngine(tiny, max_num_batched_tokens=8, runner=stub)
+    assert engine.runner is stub and engine.kv_cache is real.kv_cache
+    rid = engine.add_request(list(range(1, 13)), SamplingParams(max_new_tokens=3,
+                                                                ignore_eos=True))
+    finished, _ = run_to_end(engine)
+    request = finished[rid]
+    assert request.output_ids == [12, 13, 14]  # the count of tokens before each new one
+    assert request.finish_reason is FinishReason.LENGTH
+    # A 12-token prompt under a budget of 8: chunks of 8 and 4, then one token per step (the
+    # third output token is sampled from the step that fed the second).
+    assert stub.steps == [[(rid, 8)], [(rid, 4)], [(rid, 1)], [(rid, 1)]]
+    assert_all_blocks_free(engine)
+    # The same engine class on the real runner serves the real model.
+    assert make_engine("continuous", tiny).runner.forward_name == "direct"

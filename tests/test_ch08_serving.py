@@ -10,9 +10,7 @@ import pandas as pd
 import pytest
 
 from miniinfer import InvalidRequestError, UnknownNameError, make_engine
-from miniinfer.cli import main
-from miniinfer.scheduler import RequestTimeline
-from miniinfer.serving import (
+from miniinfer.bench.serving import (
     ServedRequest,
     ServingBenchConfig,
     ServingRun,
@@ -25,6 +23,8 @@ from miniinfer.serving import (
     serve_static,
     summarize,
 )
+from miniinfer.cli import main
+from miniinfer.core.scheduler import RequestTimeline
 
 
 def test_metrics_follow_the_serving_definitions():

@@ -14,15 +14,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from template import assert_each_equals_naive, drive_requests, first_difference
 
 from miniinfer import ENGINES, InvalidRequestError, SamplingParams, make_engine
-from miniinfer.engines.prefix_cache import PrefixCacheEngine
-from miniinfer.errors import KVCacheFull
-from miniinfer.prefix_cache import ROOT_HASH, PrefixCacheBlockManager, hash_block
-from miniinfer.serving import (
+from miniinfer.bench.serving import (
     ServingBenchConfig,
     WorkloadConfig,
     make_workload,
     run_serving_bench,
 )
+from miniinfer.book.chapters import chapter_of_stage
+from miniinfer.core.errors import KVCacheFull
+from miniinfer.core.prefix_cache import ROOT_HASH, PrefixCacheBlockManager, hash_block
+from miniinfer.engines.prefix_cache import PrefixCacheEngine
 
 NEW = 12
 GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -74,7 +75,7 @@ def assert_idle_cache(engine: PrefixCacheEngine) -> None:
 def test_registered_after_continuous():
     names = list(ENGINES)
     assert names.index("prefix-cache") == names.index("continuous") + 1
-    assert ENGINES["prefix-cache"] is PrefixCacheEngine and PrefixCacheEngine.chapter == "09"
+    assert ENGINES["prefix-cache"] is PrefixCacheEngine and chapter_of_stage("prefix-cache") == "09"
 
 
 # -- the real model: greedy tokens equal HF's -------------------------------------------------

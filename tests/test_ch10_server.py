@@ -24,12 +24,12 @@ import pytest
 from conftest import TEXTS
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
+from miniinfer.bench.serving import WorkloadConfig, make_workload, serve_continuous
+from miniinfer.bench.serving.http import serve_http
 from miniinfer.cli import main
 from miniinfer.engines import continuous
 from miniinfer.server import Server, ServerConfig, ServerProcess, build_server
 from miniinfer.server.engine_loop import EngineLoop, RequestHandle
-from miniinfer.serving import WorkloadConfig, make_workload, serve_continuous
-from miniinfer.serving.http import serve_http
 
 MAX_TOKENS = 12
 

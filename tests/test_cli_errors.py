@@ -21,7 +21,7 @@ import pandas as pd
 import pytest
 import torch
 
-import miniinfer.models
+import miniinfer.core.models
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
 from miniinfer.cli import main
 from miniinfer.engines.continuous import ContinuousEngine
@@ -146,7 +146,7 @@ def no_model_load(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the model was loaded before the input was checked")
 
-    monkeypatch.setattr(miniinfer.models, "load_model", fail)
+    monkeypatch.setattr(miniinfer.core.models, "load_model", fail)
 
 
 @pytest.mark.parametrize(("args", "message", "before_load"), CASES,
@@ -343,7 +343,7 @@ def test_ctrl_c_while_the_model_loads(command, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(miniinfer.models, "load_model", interrupted)
+    monkeypatch.setattr(miniinfer.core.models, "load_model", interrupted)
     assert main([*command, "--out", str(tmp_path / "x.csv")]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
         "miniinfer: interrupted before any result had finished; nothing was written"]

@@ -21,11 +21,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from miniinfer import SamplingParams, make_engine
+from miniinfer.bench.equality import EXACT_LAYERS, check_engines, compare_greedy, equality_model
+from miniinfer.core.kernels import BACKENDS, flash, get_backend, reference, triton_attention
+from miniinfer.core.kv_cache import DEFAULT_BLOCK_SIZE
+from miniinfer.core.sampling import make_generator, sample
 from miniinfer.engines import async_loop
-from miniinfer.equality import EXACT_LAYERS, check_engines, compare_greedy, equality_model
-from miniinfer.kernels import BACKENDS, flash, get_backend, reference, triton_attention
-from miniinfer.kv_cache import DEFAULT_BLOCK_SIZE
-from miniinfer.sampling import make_generator, sample
 
 try:  # the compile tests use Triton's compiler API (triton 3.x)
     import triton
@@ -403,7 +403,7 @@ def test_equality_model_cuts_a_big_random_model_to_a_few_layers(tiny):
     # Qwen2's config carries one layer type per layer; the stand-in must rebuild it.
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from miniinfer.models import LoadedModel
+    from miniinfer.core.models import LoadedModel
 
     config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2,
@@ -454,8 +454,9 @@ def test_check_engines_runs_fp32_exactly_and_bf16_within_tolerance(tiny_bf16):
 # -- repro all: the plan --------------------------------------------------------------------
 
 def test_repro_plan_fits_one_h100(capsys):
+    from miniinfer.book.chapters import CHAPTERS
+    from miniinfer.book.plans import plan_chapter
     from miniinfer.cli import main
-    from miniinfer.repro import CHAPTERS, plan_chapter
 
     cuda = torch.device("cuda")  # planning only: no CUDA call, works on this CPU machine
     plans = {chapter: plan_chapter(chapter, cuda) for chapter in CHAPTERS}
@@ -478,8 +479,8 @@ def test_repro_plan_fits_one_h100(capsys):
 
 def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
     # A second Qwen2.5-7B would hold 15 GB more while the notebook's kernel loads its own.
-    from miniinfer import repro
-    from miniinfer.bench import BenchConfig
+    from miniinfer.bench.offline import BenchConfig
+    from miniinfer.book import recordings as repro
 
     loads = []
     monkeypatch.setattr(repro, "load_model", lambda name, device: loads.append(name) or tiny)

@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from miniinfer import MiniInferError, UnknownNameError, kernels
-from miniinfer.kernels import (
+from miniinfer import MiniInferError, UnknownNameError
+from miniinfer.core import kernels
+from miniinfer.core.kernels import (
     BACKENDS,
     available_backends,
     get_backend,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from miniinfer import InvalidRequestError, KVCacheFull
-from miniinfer.kv_cache import (
+from miniinfer.core.kv_cache import (
     DEFAULT_MEMORY_BYTES,
     BlockManager,
     KVCacheConfig,
@@ -161,8 +161,8 @@ TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count
 @pytest.mark.parametrize("kwargs, message", [
     ({"block_size": 0}, "block_size must be an integer >= 1"),
     ({"num_blocks": 0}, "num_blocks must be an integer >= 1"),
-    ({"memory_bytes": -1}, "memory_bytes must be"),
-    ({"num_blocks": 4, "memory_bytes": 1 << 20}, "not both"),
+    ({"kv_cache_bytes": -1}, "kv_cache_bytes must be"),
+    ({"num_blocks": 4, "kv_cache_bytes": 1 << 20}, "not both"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -171,9 +171,9 @@ def test_config_rejects_bad_values(kwargs, message):
 
 def test_config_sizes_the_pool():
     assert KVCacheConfig(num_blocks=7).resolve_num_blocks(1000, 512) == 7
-    assert KVCacheConfig(memory_bytes=10_500).resolve_num_blocks(1000, 512) == 10
+    assert KVCacheConfig(kv_cache_bytes=10_500).resolve_num_blocks(1000, 512) == 10
     with pytest.raises(InvalidRequestError, match="holds no KV block"):
-        KVCacheConfig(memory_bytes=999).resolve_num_blocks(1000, 512)
+        KVCacheConfig(kv_cache_bytes=999).resolve_num_blocks(1000, 512)
     # Default: 1 GiB, unless a few full-context sequences need less.
     assert KVCacheConfig().resolve_num_blocks(1 << 20, 8192) == DEFAULT_MEMORY_BYTES >> 20
     assert KVCacheConfig(block_size=16).resolve_num_blocks(1000, 512) == 8 * 512 // 16

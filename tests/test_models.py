@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miniinfer import MODELS, UnknownNameError, load_model
-from miniinfer.models import smollm2_cache
+from miniinfer.core.models import smollm2_cache
 
 
 def test_hub_is_off():

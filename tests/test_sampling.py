@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
-from miniinfer.sampling import filter_logits, make_generator, sample
+from miniinfer.core.sampling import filter_logits, make_generator, sample
 
 
 @pytest.mark.parametrize(

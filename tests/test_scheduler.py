@@ -7,8 +7,8 @@ prompt and the tokens it had generated."""
 from __future__ import annotations
 
 from miniinfer import SamplingParams
-from miniinfer.kv_cache import BlockManager
-from miniinfer.scheduler import (
+from miniinfer.core.kv_cache import BlockManager
+from miniinfer.core.scheduler import (
     FinishReason,
     Request,
     RequestTimeline,

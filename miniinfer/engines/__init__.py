@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import UnknownNameError
-from ..models import LoadedModel
+from ..core.errors import UnknownNameError
+from ..core.models import LoadedModel
 from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
 from .continuous import ContinuousEngine

@@ -44,14 +44,15 @@ from functools import partial
 
 import torch
 
-from ..errors import UnknownNameError
-from ..kernels import AttentionBackend
-from ..kv_cache import blocks_for
-from ..models import LoadedModel
-from ..ranges import READ_TOKENS, phase
-from ..sampling import SamplingParams, make_generator, sample
+from ..core.errors import UnknownNameError
+from ..core.kernels import AttentionBackend
+from ..core.kv_cache import blocks_for
+from ..core.models import LoadedModel
+from ..core.ranges import READ_TOKENS, phase
+from ..core.sampling import SamplingParams, make_generator, sample
+from ..runner import PagedAttentionMetadata
 from .base import GenerationResult, StepClock, trim_at_eos
-from .paged_attention import PagedAttentionEngine, PagedAttentionMetadata
+from .paged_attention import PagedAttentionEngine
 
 LOOPS = ("sync", "overlap", "cuda-graph")
 # Batch sizes a decode graph is captured for; a batch runs in the smallest that holds it.
@@ -97,7 +98,6 @@ def choose_loop(loop: str, device: torch.device, backend: AttentionBackend) -> t
 
 class AsyncEngine(PagedAttentionEngine):
     name = "async"
-    chapter = "07"
     summary = "decode metadata made on the device; overlapped copies; CUDA graphs on a GPU"
     # ``make_engine("async:overlap", lm)`` is ``make_engine("async", lm, loop="overlap")``.
     variant_option = "loop"
@@ -106,7 +106,7 @@ class AsyncEngine(PagedAttentionEngine):
     def __init__(self, lm: LoadedModel, loop: str = "auto", attention_backend: str | None = None,
                  **kv_options: int | None) -> None:
         super().__init__(lm, attention_backend, **kv_options)
-        self.requested_loop, self.loop = choose_loop(loop, self.device, self.backend)
+        self.requested_loop, self.loop = choose_loop(loop, self.device, self.runner.backend)
         self.graphs: dict[int, DecodeGraph] = {}
         self.graph_pool = None
 
@@ -247,8 +247,8 @@ class AsyncEngine(PagedAttentionEngine):
         state.context_lens += 1  # in place, so a captured graph advances it on every replay
         state.max_context_len = min(state.max_context_len + 1,
                                     state.block_tables.shape[1] * block_size)
-        metadata = PagedAttentionMetadata(self.layer_kv, state.block_tables, state.context_lens,
-                                          slots, self.backend,
+        metadata = PagedAttentionMetadata(self.runner.layer_kv, state.block_tables, state.context_lens,
+                                          slots, self.runner.backend,
                                           max_context_len=state.max_context_len)
         return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
 

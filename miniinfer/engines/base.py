@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import InvalidRequestError
-from ..models import LoadedModel
-from ..sampling import SamplingParams
+from ..core.errors import InvalidRequestError
+from ..core.models import LoadedModel
+from ..core.sampling import SamplingParams
 
 
 @dataclass(slots=True)
@@ -46,7 +46,6 @@ class Engine:
     """
 
     name: ClassVar[str]
-    chapter: ClassVar[str]
     summary: ClassVar[str]
 
     def __init__(self, lm: LoadedModel) -> None:

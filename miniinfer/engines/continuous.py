@@ -1,13 +1,15 @@
 """Stage ``continuous``: continuous batching with chunked prefill and preemption.
 
 Every stage so far ran one static batch: prefill all prompts, decode in lockstep until the
-longest request is done. Here requests come and go at every step (see :mod:`miniinfer.scheduler`
-for the policy); this module is the step that carries a decision out:
+longest request is done. Here requests come and go at every step: the scheduler decides
+(:mod:`miniinfer.core.scheduler`), the model runner runs (:mod:`miniinfer.runner`: the weights,
+the KV pool, the forward), and this engine loops:
 
 - ``add_request`` queues a request (its own sampling parameters, seed and stop strings);
   ``step`` schedules, runs one forward and samples; ``abort`` drops a request and frees its
   blocks. ``generate`` (the interface every stage shares) is these three in a loop.
-- one forward holds every scheduled request's new tokens as one flat sequence, exactly like the
+- one forward (the runner's ``execute``) holds every scheduled request's new tokens as one flat
+  sequence, exactly like the
   paged-attention prefill of chapter 06, but now decodes (one token) and prompt chunks (many)
   sit side by side, each request with its own positions, context length and block table.
 - attention is chapter 06's, per part: the decodes go through the decode kernel and the chunks
@@ -26,53 +28,24 @@ import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import torch
 
-from ..devices import sync
-from ..errors import InvalidRequestError, MiniInferError
-from ..kv_cache import RequestId, blocks_for
-from ..models import LoadedModel
-from ..ranges import phase
-from ..sampling import SamplingParams, make_generator, sample
-from ..scheduler import (
-    FinishReason,
-    Request,
-    RequestTimeline,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
+from ..core.devices import sync
+from ..core.errors import InvalidRequestError, MiniInferError
+from ..core.kv_cache import (
+    DEFAULT_BLOCK_SIZE,
+    KVCacheConfig,
+    PagedKVCache,
+    RequestId,
+    blocks_for,
 )
-from .base import GenerationResult
-from .paged_attention import (
-    ATTN_IMPLEMENTATION,
-    PagedAttentionEngine,
-    PagedAttentionMetadata,
-    attn_implementation,
-)
-
-
-@dataclass(slots=True)
-class MixedBatchMetadata:
-    """One step's forward: the first ``num_decodes`` tokens are decodes (one per request), the
-    rest prompt chunks; each part carries chapter 06's metadata, or None when the step has none
-    of that kind. It has chapter 06's ``attend``, so it goes wherever that metadata goes: to
-    the direct forward, or down HF's modules to the registered paged attention."""
-
-    num_decodes: int
-    decodes: PagedAttentionMetadata | None
-    chunks: PagedAttentionMetadata | None
-
-    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """Chapter 06's ``attend`` on the decode rows and on the chunk rows separately
-        (``[T, heads, head_dim]`` in and out)."""
-        n = self.num_decodes
-        parts = [meta.attend(layer_idx, q[rows], k[rows], v[rows], scale)
-                 for meta, rows in ((self.decodes, slice(None, n)), (self.chunks, slice(n, None)))
-                 if meta is not None]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+from ..core.models import LoadedModel
+from ..core.ranges import phase
+from ..core.sampling import SamplingParams, make_generator, sample
+from ..core.scheduler import FinishReason, Request, RequestTimeline, Scheduler, SchedulerConfig
+from ..runner import ModelRunner
+from .base import Engine, GenerationResult
 
 
 @dataclass(slots=True)
@@ -100,21 +73,36 @@ def sample_next_tokens(logits: torch.Tensor, requests: list[Request]) -> list[in
     return tokens.tolist()  # the step's one host sync
 
 
-class ContinuousEngine(PagedAttentionEngine):
+class ContinuousEngine(Engine):
+    """The scheduler decides, the runner runs (:class:`~miniinfer.runner.ModelRunner`: the
+    weights, the KV pool and the forward), this engine loops. ``forward`` picks the runner's
+    forward (``"auto"``, ``"direct"``, ``"registry"``); ``runner`` passes one built elsewhere
+    (anything with ``kv_cache``, ``execute`` and ``paged_attention``)."""
+
     name = "continuous"
-    chapter = "08"
     summary = "continuous batching: token-budget scheduler, chunked prefill, preemption"
-    variants = ()  # it still takes forward=, like chapter 06's stage; no named variants
+    variants = ()  # forward= is the runner's choice; no named variants
 
     def __init__(self, lm: LoadedModel, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 256, chunked_prefill: bool = True,
-                 attention_backend: str | None = None, **kv_options: int | None) -> None:
-        super().__init__(lm, attention_backend, **kv_options)
+                 attention_backend: str | None = None, forward: str = "auto",
+                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, runner: ModelRunner | None = None) -> None:
+        super().__init__(lm)
+        # A runner passed in is used as it is (its pool, its forward); else one is built here.
+        self.runner = runner or ModelRunner(
+            lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes), forward=forward,
+            attention_backend=attention_backend)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill),
             self.kv_cache.block_manager)
         self.requests: dict[RequestId, Request] = {}  # unfinished ones
         self._next_id = 0
+
+    @property
+    def kv_cache(self) -> PagedKVCache:
+        """The runner's pool (the scheduler books its blocks)."""
+        return self.runner.kv_cache
 
     # -- the serving API --------------------------------------------------------------------
 
@@ -158,9 +146,10 @@ class ContinuousEngine(PagedAttentionEngine):
         tokens: list[int] = []
         if batch.scheduled:
             try:
-                with torch.inference_mode(), attn_implementation(self.model,
-                                                                 ATTN_IMPLEMENTATION):
-                    sampled, tokens = self.run_batch(batch)
+                with torch.inference_mode(), self.runner.paged_attention():
+                    logits, sampled = self.runner.execute(batch)
+                    with phase("sample"):
+                        tokens = sample_next_tokens(logits, sampled)
             except BaseException:
                 # The cache may hold half a step: recompute these requests later, drop none.
                 # Newest first, so the oldest ends up first in the waiting queue.
@@ -248,64 +237,6 @@ class ContinuousEngine(PagedAttentionEngine):
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
-
-    def run_batch(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """The forward of one step; returns the requests that sample and their tokens."""
-        with phase("prepare_inputs"):
-            inputs, metadata, logits_rows, sampled = self.prepare_batch(batch)
-        with phase("model_forward"):
-            logits = self.model_forward(inputs, metadata, logits_to_keep=logits_rows)
-        with phase("sample"):
-            return sampled, sample_next_tokens(logits, sampled)
-
-    def prepare_batch(self, batch: ScheduledBatch) -> tuple[
-            dict[str, torch.Tensor], MixedBatchMetadata, torch.Tensor, list[Request]]:
-        """Flatten the scheduled tokens (decodes first) and send their ids, positions, slots,
-        context lens, chunk boundaries, logits rows and block tables in one staged copy."""
-        manager = self.kv_cache.block_manager
-        block_size = manager.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_rows: list[int] = []
-        sampled: list[Request] = []
-        for request, n in batch.scheduled:
-            start = request.num_computed_tokens
-            end = start + n
-            table = manager.block_tables[request.request_id]
-            ids += request.token_ids(start, end)
-            positions += range(start, end)
-            slots += [table[t // block_size] * block_size + t % block_size
-                      for t in range(start, end)]
-            context_lens.append(end)
-            tables.append(table)
-            if end == request.num_tokens:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(request)
-        num_decodes = batch.num_decodes
-        chunk_lens = [n for _, n in batch.scheduled[num_decodes:]]
-        cu_seqlens_q = [0, *accumulate(chunk_lens)]
-        width = max(len(table) for table in tables)
-        staged = self.stage(ids + positions + slots + context_lens + cu_seqlens_q + logits_rows
-                            + [b for table in tables for b in table + [0] * (width - len(table))])
-        num_tokens = len(ids)
-        (ids_t, positions_t, slots_t, context_lens_t, cu_seqlens_t, rows_t,
-         tables_t) = staged.split([num_tokens] * 3 + [len(tables), len(cu_seqlens_q),
-                                                      len(logits_rows), len(tables) * width])
-        slots_t = slots_t.long()
-        block_tables = tables_t.view(len(tables), width)
-        kv = self.layer_kv
-        decodes = PagedAttentionMetadata(
-            kv, block_tables[:num_decodes], context_lens_t[:num_decodes], slots_t[:num_decodes],
-            self.backend) if num_decodes else None
-        chunks = PagedAttentionMetadata(
-            kv, block_tables[num_decodes:], context_lens_t[num_decodes:],
-            slots_t[num_decodes:], self.prefill_backend, cu_seqlens_q=cu_seqlens_t,
-            max_seqlen_q=max(chunk_lens)) if chunk_lens else None
-        inputs = {"input_ids": ids_t[None], "position_ids": positions_t[None]}
-        return inputs, MixedBatchMetadata(num_decodes, decodes, chunks), rows_t, sampled
 
     def append_token(self, request: Request, token: int, now: float) -> None:
         request.output_ids.append(token)

@@ -6,7 +6,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
-from ..sampling import SamplingParams
+from ..core.sampling import SamplingParams
 from .base import Engine, GenerationResult, StepClock, left_pad, trim_at_eos
 
 
@@ -29,7 +29,6 @@ class _TokenClock(BaseStreamer):
 
 class HFEngine(Engine):
     name = "hf"
-    chapter = "01"
     summary = "Hugging Face model.generate (the baseline)"
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..sampling import SamplingParams, make_generator, sample
+from ..core.sampling import SamplingParams, make_generator, sample
 from .base import Engine, GenerationResult, StepClock, left_pad, trim_at_eos
 
 
 class NaiveEngine(Engine):
     name = "naive"
-    chapter = "01"
     summary = "hand-written decode loop on HF's DynamicCache"
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache
 
-from ..kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, PagedKVCache
-from ..models import LoadedModel
-from ..ranges import phase
-from ..sampling import SamplingParams, make_generator, sample
+from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, PagedKVCache
+from ..core.models import LoadedModel
+from ..core.ranges import phase
+from ..core.sampling import SamplingParams, make_generator, sample
 from .base import Engine, GenerationResult, StepClock, left_pad, trim_at_eos
 
 # One dense K/V pair per layer, each [B, kv_heads, L, head_dim].
@@ -46,15 +46,14 @@ class DecodeBatch:
 
 class PagedLoopEngine(Engine):
     name = "paged-loop"
-    chapter = "02"
     summary = "paged KV cache in fixed-size blocks, Python-loop gather each step"
 
     def __init__(self, lm: LoadedModel, block_size: int = DEFAULT_BLOCK_SIZE,
-                 num_blocks: int | None = None, memory_bytes: int | None = None) -> None:
+                 num_blocks: int | None = None, kv_cache_bytes: int | None = None) -> None:
         super().__init__(lm)
         # Allocated once with the engine, like a serving engine's KV pool: requests only borrow
         # blocks from it.
-        self.kv_cache = PagedKVCache(lm, KVCacheConfig(block_size, num_blocks, memory_bytes))
+        self.kv_cache = PagedKVCache(lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes))
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         block_manager = self.kv_cache.block_manager

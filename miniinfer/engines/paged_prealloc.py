@@ -24,9 +24,9 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from ..errors import UnknownNameError
-from ..models import LoadedModel
-from ..sampling import SamplingParams
+from ..core.errors import UnknownNameError
+from ..core.models import LoadedModel
+from ..core.sampling import SamplingParams
 from .paged_loop import DecodeBatch, DenseKV, PagedLoopEngine
 from .paged_vectorized import PagedVectorizedEngine
 
@@ -59,7 +59,6 @@ KV_WRITES = ("batched", "per-request")
 
 class PagedPreallocEngine(PagedVectorizedEngine):
     name = "paged-prealloc"
-    chapter = "04"
     summary = "paged KV cache, reused gather buffer, one-op KV writes, no cat"
     variant_option = "kv_write"
     variants = KV_WRITES

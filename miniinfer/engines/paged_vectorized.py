@@ -23,7 +23,6 @@ from .paged_loop import DecodeBatch, DenseKV, PagedLoopEngine
 
 class PagedVectorizedEngine(PagedLoopEngine):
     name = "paged-vectorized"
-    chapter = "03"
     summary = "paged KV cache, one advanced-indexing gather per layer"
 
     def dense_slot_mapping(self, batch: DecodeBatch, width: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 The forward, the sampling, the stop conditions and the serving API (``add_request``, ``step``,
 ``abort``, ``has_unfinished_requests``) are chapter 08's, untouched. Two parts change (see
-:mod:`miniinfer.prefix_cache`):
+:mod:`miniinfer.core.prefix_cache`):
 
 - the KV pool's bookkeeping is a :class:`PrefixCacheBlockManager`: hash-chained full blocks,
   ref counts, and released blocks that stay cached until a new block is needed (LRU);
@@ -14,14 +14,13 @@ The forward, the sampling, the stop conditions and the serving API (``add_reques
 
 from __future__ import annotations
 
-from ..models import LoadedModel
-from ..prefix_cache import PrefixCacheBlockManager, PrefixCacheScheduler
+from ..core.models import LoadedModel
+from ..core.prefix_cache import PrefixCacheBlockManager, PrefixCacheScheduler
 from .continuous import ContinuousEngine
 
 
 class PrefixCacheEngine(ContinuousEngine):
     name = "prefix-cache"
-    chapter = "09"
     summary = "continuous batching + prefix caching: hash-chained blocks, ref counts, LRU"
 
     def __init__(self, lm: LoadedModel, **options) -> None:

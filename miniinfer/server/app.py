@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.errors import InvalidRequestError, MiniInferError
+from ..core.models import LoadedModel, load_model
 from ..engines import make_engine, resolve_engine
 from ..engines.continuous import ContinuousEngine
-from ..errors import InvalidRequestError, MiniInferError
-from ..models import LoadedModel, load_model
 from .engine_loop import EngineLoop, RequestHandle
 from .metrics import ServerMetrics
 from .protocol import (
@@ -75,7 +75,7 @@ class ServerConfig:
     def make_engine(self, lm: LoadedModel) -> ContinuousEngine:
         return make_engine(self.engine, lm, max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens,
-                           memory_bytes=self.kv_cache_bytes)
+                           kv_cache_bytes=self.kv_cache_bytes)
 
 
 def _sse(payload: dict[str, Any] | str) -> str:

@@ -17,11 +17,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..core.errors import MiniInferError
+from ..core.kv_cache import RequestId
+from ..core.sampling import SamplingParams
+from ..core.scheduler import FinishReason, Request
 from ..engines.continuous import ContinuousEngine, StepResult
-from ..errors import MiniInferError
-from ..kv_cache import RequestId
-from ..sampling import SamplingParams
-from ..scheduler import FinishReason, Request
 from .metrics import ServerMetrics
 from .protocol import APIError
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..core.scheduler import FinishReason, Request
 from ..engines.continuous import ContinuousEngine
-from ..scheduler import FinishReason, Request
 
 # From a few ms (a GPU decode) to minutes (a long answer on a busy CPU).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

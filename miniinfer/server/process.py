@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..devices import REPO_ROOT
+from ..core.devices import REPO_ROOT
 
 _URL_LINE = re.compile(r"miniinfer: serving .* at (http://\S+)/v1")
 

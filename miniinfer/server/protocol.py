@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import MiniInferError
-from ..models import LoadedModel
-from ..sampling import SamplingParams
-from ..scheduler import FinishReason
+from ..core.errors import MiniInferError
+from ..core.models import LoadedModel
+from ..core.sampling import SamplingParams
+from ..core.scheduler import FinishReason
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4  # as OpenAI allows
@@ -176,8 +176,7 @@ def _chat_prompt_ids(messages: Any, lm: LoadedModel) -> list[int]:
             raise invalid(f"messages[{i}].content must be a string or a list of text parts",
                           "messages")
         turns.append({"role": message["role"], "content": content})
-    text = lm.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    return lm.tokenizer.encode(text)
+    return lm.chat_prompt(turns)
 
 
 def parse_request(kind: str, body: dict[str, Any], lm: LoadedModel) -> GenerationRequest:

@@ -56,7 +56,7 @@ class RequestTimeline:
 
     ``steps`` holds the (start, end) of every step the request was part of, prefill chunks and
     recomputation included; ``token_times`` the end of the step that produced each output token
-    (the token is on the host then). The serving metrics (:mod:`miniinfer.serving`) are all
+    (the token is on the host then). The serving metrics (:mod:`miniinfer.bench.serving`) are all
     computed from these.
     """
 

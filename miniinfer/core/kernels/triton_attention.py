@@ -13,7 +13,7 @@ Layouts and the block table padding convention are those of :mod:`.reference`.
 
 Importing this module never fails: without Triton, :func:`unavailable_reason` says why. On a
 CPU the kernel runs only in Triton's interpreter, which ``@triton.jit`` chooses when this module
-is imported, if ``TRITON_INTERPRET=1`` is set by then (see :mod:`miniinfer.kernels`).
+is imported, if ``TRITON_INTERPRET=1`` is set by then (see :mod:`miniinfer.core.kernels`).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def unavailable_reason(device: torch.device, block_size: int | None = None) -> s
         return _IMPORT_ERROR
     if device.type == "cpu" and not INTERPRETED:
         return ("Triton runs on a CPU only in its interpreter: set TRITON_INTERPRET=1 in the "
-                "environment before miniinfer.kernels is imported")
+                "environment before miniinfer.core.kernels is imported")
     if device.type not in ("cpu", "cuda"):
         return f"the Triton kernel runs on CUDA (or interpreted on CPU), not {device.type}"
     if block_size is not None and (block_size < _MIN_DOT_DIM or block_size & (block_size - 1)):

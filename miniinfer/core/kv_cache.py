@@ -38,31 +38,31 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @dataclass(slots=True)
 class KVCacheConfig:
-    """How big the block pool is: ``num_blocks`` blocks, or as many as ``memory_bytes`` holds.
+    """How big the block pool is: ``num_blocks`` blocks, or as many as ``kv_cache_bytes`` holds.
     With neither, see ``DEFAULT_MEMORY_BYTES``."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
-    memory_bytes: int | None = None
+    kv_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field, value in (("block_size", self.block_size), ("num_blocks", self.num_blocks),
-                             ("memory_bytes", self.memory_bytes)):
+                             ("kv_cache_bytes", self.kv_cache_bytes)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InvalidRequestError(f"{field} must be an integer >= 1, got {value!r}")
-        if self.num_blocks is not None and self.memory_bytes is not None:
-            raise InvalidRequestError("give num_blocks or memory_bytes, not both")
+        if self.num_blocks is not None and self.kv_cache_bytes is not None:
+            raise InvalidRequestError("give num_blocks or kv_cache_bytes, not both")
 
     def resolve_num_blocks(self, bytes_per_block: int, max_context: int) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        if self.memory_bytes is not None:
-            if self.memory_bytes < bytes_per_block:
+        if self.kv_cache_bytes is not None:
+            if self.kv_cache_bytes < bytes_per_block:
                 raise InvalidRequestError(
-                    f"memory_bytes={self.memory_bytes} holds no KV block; one block of "
+                    f"kv_cache_bytes={self.kv_cache_bytes} holds no KV block; one block of "
                     f"{self.block_size} tokens takes {bytes_per_block} bytes"
                 )
-            return self.memory_bytes // bytes_per_block
+            return self.kv_cache_bytes // bytes_per_block
         enough = DEFAULT_MAX_SEQUENCES * blocks_for(max_context, self.block_size)
         return max(1, min(DEFAULT_MEMORY_BYTES // bytes_per_block, enough))
 

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import AutoModelForCausalLM
 
-from .engines import make_engine
-from .models import RANDOM_WEIGHT_SEED, LoadedModel, load_model
-from .sampling import SamplingParams
+from ..core.models import RANDOM_WEIGHT_SEED, LoadedModel, load_model
+from ..core.sampling import SamplingParams
+from ..engines import make_engine
 
 EXACT_DTYPE = torch.float32
 # Layers of the fp32 stand-in for a big random-weight model: enough for attention and the MLP

@@ -39,7 +39,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from .errors import UnknownNameError  # noqa: E402
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "data" / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "data" / "configs"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Token ids of SmolLM2's chat markers; <|im_end|> ends an assistant turn.
 SMOLLM2_EOS_ID = 2
@@ -66,6 +66,13 @@ class LoadedModel:
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation (``{"role", "content"}`` turns) in the model's chat
+        template, ending where the assistant's reply begins."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer.encode(text)
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters read per decode step (tied embeddings counted once)."""
@@ -80,10 +87,14 @@ class LoadedModel:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
+    """One named model and its facts (gpt-fast's idea: a model is one entry of a table)."""
+
     name: str
     description: str
     default_dtype: torch.dtype
     load: Callable[[torch.device, torch.dtype], PreTrainedModel]
+    # The token that ends a reply; None: the model config's own ``eos_token_id``.
+    eos_token_id: int | None = SMOLLM2_EOS_ID
 
 
 def cache_dir() -> Path:
@@ -173,6 +184,7 @@ MODELS: dict[str, ModelSpec] = {
             "Qwen2.5-7B-Instruct architecture, random weights (GQA 28/4, 28 layers)",
             torch.bfloat16,
             _random_from_config("qwen2.5-7b-instruct.json"),
+            eos_token_id=None,
         ),
         ModelSpec(
             "tiny",
@@ -182,6 +194,17 @@ MODELS: dict[str, ModelSpec] = {
         ),
     )
 }
+
+def default_model(device: torch.device) -> str:
+    """The model the book runs on a device: the reference posts' architecture on a GPU, the
+    real SmolLM2 on a CPU."""
+    return "qwen2.5-7b" if device.type == "cuda" else "smollm2-135m"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name results and tables use for a dtype: "float32", "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -244,7 +267,7 @@ def load_model(
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
-    eos = SMOLLM2_EOS_ID if name != "qwen2.5-7b" else int(model.config.eos_token_id)
+    eos = spec.eos_token_id if spec.eos_token_id is not None else int(model.config.eos_token_id)
     # Generation defaults come from us, not from whatever the checkpoint carried: generate()
     # fills unset fields from this object (an EOS id left here would defeat ignore-EOS runs).
     model.generation_config = GenerationConfig(pad_token_id=tokenizer.pad_token_id)

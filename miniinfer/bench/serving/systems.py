@@ -18,21 +18,17 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ..devices import kv_bytes_per_token
-from ..engines import ENGINES, Engine, make_engine
-from ..engines.continuous import ContinuousEngine, StepResult
-from ..engines.prefix_cache import PrefixCacheEngine
-from ..errors import UnknownNameError
-from ..kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
-from ..models import LoadedModel
-from ..sampling import SamplingParams
-from ..scheduler import RequestTimeline
+from ...core.devices import kv_bytes_per_token
+from ...core.errors import UnknownNameError
+from ...core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
+from ...core.models import LoadedModel
+from ...core.sampling import SamplingParams
+from ...core.scheduler import RequestTimeline
+from ...engines import ENGINES, Engine, make_engine
+from ...engines.continuous import ContinuousEngine, StepResult
+from ...engines.prefix_cache import PrefixCacheEngine
 from .workloads import WorkloadRequest
-
-if TYPE_CHECKING:  # the benchmark builds on these systems, not the other way round
-    from .benchmark import ServingBenchConfig
 
 STATIC_PREFIX = "static-"
 # transformers' default KV block for its continuous batching; at 16 tokens its CPU path is
@@ -197,10 +193,11 @@ class Systems:
     """Serves workloads with one system at a time; its engine (and the KV pool allocated with
     it) is kept while the next runs use the same system and budget, then let go."""
 
-    def __init__(self, lm: LoadedModel, config: ServingBenchConfig) -> None:
+    def __init__(self, lm: LoadedModel, kv_cache_bytes: int | None = None,
+                 static_batch_size: int = 8) -> None:
         self.lm = lm
-        self.config = config
-        self.kv_cache_bytes = config.kv_cache_bytes or default_pool_bytes(lm)
+        self.kv_cache_bytes = kv_cache_bytes or default_pool_bytes(lm)
+        self.static_batch_size = static_batch_size
         self.current: tuple[tuple[str, int], Engine] | None = None
 
     def serve(self, system: str, budget: int, workload: list[WorkloadRequest]) -> ServingRun:
@@ -209,7 +206,7 @@ class Systems:
         if self.current is None or self.current[0] != (system, budget):
             self.current = None  # the old pool goes before the new one is allocated
             engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
-                                 memory_bytes=self.kv_cache_bytes) if system in STEPPED_SYSTEMS \
+                                 kv_cache_bytes=self.kv_cache_bytes) if system in STEPPED_SYSTEMS \
                 else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
             self.current = ((system, budget), engine)
         engine = self.current[1]
@@ -217,4 +214,4 @@ class Systems:
             engine.reset_prefix_cache()  # every run starts cold, the warm-up's blocks forgotten
         if isinstance(engine, ContinuousEngine):
             return serve_continuous(engine, workload)
-        return serve_static(engine, workload, self.config.static_batch_size)
+        return serve_static(engine, workload, self.static_batch_size)

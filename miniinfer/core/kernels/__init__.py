@@ -21,7 +21,7 @@ Triton on a CPU: ``@triton.jit`` decides once, when :mod:`.triton_attention` is 
 is, when this package is), whether the kernel is compiled for a GPU or run by Triton's
 interpreter, and it reads ``TRITON_INTERPRET=1`` from the environment to choose the
 interpreter. Set it in the shell (``TRITON_INTERPRET=1 python ...``) or before the first import
-of ``miniinfer.kernels``; setting it later has no effect on the already-built kernel. The
+of ``miniinfer.core.kernels``; setting it later has no effect on the already-built kernel. The
 interpreter runs on CPU tensors with numpy, thousands of times slower than a GPU: it is for
 reading and testing the kernel, which is why "auto" never picks it.
 

@@ -20,7 +20,7 @@ import transformers
 
 from .models import LoadedModel
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def device_name(device: torch.device) -> str:

@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pandas as pd
 
-from ..devices import run_metadata
-from ..errors import InvalidRequestError
-from ..models import LoadedModel
-from ..scheduler import RequestTimeline
+from ...core.devices import run_metadata
+from ...core.errors import InvalidRequestError
+from ...core.models import LoadedModel, dtype_name
+from ...core.scheduler import RequestTimeline
 from .benchmark import ServingResults
 from .metrics import request_table, summarize
 from .systems import ServedRequest, ServingRun
@@ -97,7 +97,7 @@ def run_http_bench(lm: LoadedModel, base_url: str, workload: WorkloadConfig,
     ``lm`` gives the tokenizer and vocabulary the seeded workload is drawn from; it must be
     the model the server serves."""
     meta = run_metadata(lm.device)
-    tags = {"chapter": chapter, "model": lm.name, "dtype": str(lm.dtype).removeprefix("torch."),
+    tags = {"chapter": chapter, "model": lm.name, "dtype": dtype_name(lm.dtype),
             "system": HTTP_SYSTEM, "max_num_batched_tokens": math.nan}
     runs, requests = [], []
     for rate in request_rates or (workload.request_rate,):

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ..bench import own_threads
-from ..devices import LoadGuard, run_metadata
-from ..errors import InvalidRequestError, keep_on_interrupt
-from ..models import LoadedModel
+from ...core.devices import LoadGuard, run_metadata
+from ...core.errors import InvalidRequestError, keep_on_interrupt
+from ...core.models import LoadedModel, dtype_name
+from ..offline import own_threads
 from .metrics import request_table, step_table, summarize
 from .systems import STEPPED_SYSTEMS, Systems, check_system
 from .workloads import WorkloadConfig, check_workload, make_workload
@@ -104,7 +104,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     ``Interrupted`` holding the runs that had finished (None when none had)."""
     meta = run_metadata(lm.device)
     tags = {"chapter": config.chapter, "model": lm.name,
-            "dtype": str(lm.dtype).removeprefix("torch.")}
+            "dtype": dtype_name(lm.dtype)}
     budgets = config.max_num_batched_tokens
     rates = config.request_rates or (config.workload.request_rate,)
     workloads = {rate: make_workload(lm, replace(config.workload, request_rate=rate))
@@ -117,7 +117,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     small = config.workload.turns if config.workload.kind == "multi-turn" else 4
     warmup = [replace(w, max_new_tokens=4, arrival_s=0.0) for w in make_workload(
         lm, replace(config.workload, num_requests=small, request_rate=math.inf))]
-    systems = Systems(lm, config)
+    systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size)
     runs, requests, steps = [], [], []
     # Every system serves from a worker thread, because transformers' continuous batching
     # always runs its loop in one: on our CPU machine PyTorch's matrix multiplies run

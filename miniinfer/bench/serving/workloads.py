@@ -27,10 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..bench import FIRST_PLAIN_TOKEN
-from ..errors import InvalidRequestError
-from ..inputs import check_input_file, read_jsonl
-from ..models import LoadedModel
+from ...core.errors import InvalidRequestError
+from ...core.inputs import check_input_file, read_jsonl
+from ...core.models import LoadedModel
+from ..offline import FIRST_PLAIN_TOKEN
 
 WORKLOAD_KINDS = ("random", "shared-prefix", "multi-turn")
 

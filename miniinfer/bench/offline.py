@@ -16,7 +16,7 @@ ratio of two medians, and the min-max spread says how far a single ratio can be 
 (prefill, the time to the first token) and ``decode_tok_s`` (tokens after the first over the
 time after the first) split it into its two phases. Every row also records how busy the
 machine was around its batch size's runs (``load_before``, ``load_after``, ``steal_pct``,
-``busy``; see :class:`miniinfer.devices.LoadGuard`), and the speed of light it is compared
+``busy``; see :class:`miniinfer.core.devices.LoadGuard`), and the speed of light it is compared
 with comes from the device table (one bandwidth and peak compute per device).
 """
 
@@ -30,11 +30,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
-from .engines import Engine, GenerationResult, make_engine
-from .errors import InvalidRequestError, keep_on_interrupt
-from .models import LoadedModel
-from .sampling import SamplingParams
+from ..core.devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
+from ..core.errors import InvalidRequestError, keep_on_interrupt
+from ..core.models import LoadedModel, dtype_name
+from ..core.sampling import SamplingParams
+from ..engines import Engine, GenerationResult, make_engine
 
 # SmolLM2's special tokens sit below this id; benchmark prompts avoid them.
 FIRST_PLAIN_TOKEN = 17
@@ -136,7 +136,7 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     p50.update(paired_pct(measured, runs["hf"]))
                 rows.append({
                     "chapter": config.chapter, "engine": name, "model": lm.name,
-                    "dtype": str(lm.dtype).removeprefix("torch."), "batch_size": batch_size,
+                    "dtype": dtype_name(lm.dtype), "batch_size": batch_size,
                     "prompt_len": config.prompt_len, "new_tokens": config.new_tokens,
                     "repeats": config.repeat, **p50,
                     "floor_ms": floor.step_ms, "pct_of_floor": 100 * floor.step_ms / p50["step_ms"],

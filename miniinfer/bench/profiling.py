@@ -26,8 +26,8 @@ import duckdb
 import pandas as pd
 from torch.profiler import ProfilerActivity, profile
 
-from .ranges import PHASES, READ_TOKENS, STEP, phase, ranges_disabled, set_ranges
-from .sampling import SamplingParams
+from ..core.ranges import PHASES, READ_TOKENS, STEP, phase, ranges_disabled, set_ranges
+from ..core.sampling import SamplingParams
 
 __all__ = ["PHASES", "READ_TOKENS", "STEP", "phase", "ranges_disabled", "set_ranges"]
 
@@ -208,8 +208,8 @@ def phase_repeats(lm, engine: str, batch_sizes: tuple[int, ...], prompt_len: int
     repeats interleaved across batch sizes: per batch size and phase the median ms per step,
     its lowest and highest repeat (``ms_min``, ``ms_max``), the median share of the step and
     the ``inside`` of nested phases."""
-    from .bench import make_prompts
-    from .engines import make_engine
+    from ..engines import make_engine
+    from .offline import make_prompts
 
     eng = make_engine(engine, lm)
     prompts = {b: make_prompts(lm, b, prompt_len) for b in batch_sizes}
@@ -282,8 +282,8 @@ def profile_stages(lm, batch_sizes: tuple[int, ...], prompt_len: int, steps: int
                    trace_prefix: str = "") -> DecodeProfile:
     """Profile ``engine`` (phases, top ops/kernels) and ``contrast`` (op counts only) at each
     batch size. Traces of ``engine`` are written gzipped to ``trace_dir`` when given."""
-    from .bench import make_prompts
-    from .engines import make_engine
+    from ..engines import make_engine
+    from .offline import make_prompts
 
     engines = {name: make_engine(name, lm) for name in (engine, contrast)}
     phases, ops, top, traces = [], [], [], {}

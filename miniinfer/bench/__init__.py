@@ -1,0 +1,1 @@
+"""Benchmarks: offline tok/s, the serving-load client, profiling, token equality."""

@@ -1,0 +1,201 @@
+"""What a chapter's recording will run and about how long it takes, without touching the device
+(``python -m miniinfer repro all --dry-run``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..bench.offline import BenchConfig
+from ..bench.serving import STEPPED_SYSTEMS, ServingBenchConfig
+from ..core.models import MODELS, dtype_name
+from .chapters import CHAPTERS
+from .workloads import (
+    chapter05_profile_steps,
+    default_workload,
+    prefix_cache_experiments,
+    serving_experiments,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChapterPlan:
+    """What recording a chapter runs on a device, and about how long it takes."""
+
+    model: str
+    dtype: str
+    engines: tuple[str, ...]
+    batch_sizes: tuple[int, ...]
+    tokens: str  # prompt and output lengths, in words
+    repeats: int
+    estimate_s: float
+
+
+def plan_table(chapters: list[str], plans: list[ChapterPlan], device: torch.device) -> str:
+    """Two lines a chapter, then the total."""
+    lines = [f"repro on {device} ({device_costs(device).basis}):"]
+    for chapter, p in zip(chapters, plans, strict=True):
+        batches = ",".join(map(str, p.batch_sizes))
+        lines.append(f"  {chapter}  ~{p.estimate_s / 60:4.1f} min  {p.model} {p.dtype}  "
+                     f"batch {batches}  {p.tokens}  {p.repeats} repeat(s)")
+        lines.append(f"      engines: {', '.join(p.engines)}")
+    total = sum(p.estimate_s for p in plans) / 60
+    lines.append(f"estimated total: {total:.1f} min for {len(plans)} chapter(s) "
+                 f"(recordings only; notebooks not counted)")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceCosts:
+    """A rough cost model of one device for the default model, for planning: seconds per
+    decode step (``step_s + row_s * batch``, times the engine's factor), per prompt token of
+    prefill, per model load, and output tokens/s of each serving system."""
+
+    basis: str
+    load_s: float
+    step_s: float
+    row_s: float
+    prefill_token_s: float
+    engine_factor: dict[str, float]
+    serving_tok_s: dict[str, float]
+
+    def step(self, engine: str, batch_size: int) -> float:
+        factor = self.engine_factor.get(engine, self.engine_factor.get(engine.split(":")[0], 1))
+        return (self.step_s + self.row_s * batch_size) * factor
+
+
+COSTS = {
+    # Fitted to the recorded CPU tables (shared 2-core EPYC, SmolLM2 fp32): hf at 21 tok/s at
+    # batch 1 and ~100 at batch 8, prefill ~1.5 ms a token; chapter 08's target run.
+    "cpu": DeviceCosts(
+        "estimates fitted to the recorded runs on a 2-core CPU", load_s=5, step_s=0.044,
+        row_s=0.0045, prefill_token_s=0.0015,
+        engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1},
+        serving_tok_s={"continuous": 114, "prefix-cache": 114, "static-paged-attention": 64,
+                       "static-hf": 48, "hf-cb": 67}),
+    # One H100 with Qwen2.5-7B bf16 (15 GB of weights: 4.5 ms a step at 3.35 TB/s), eager
+    # engines bound by the host's kernel launches. Assumed, not measured yet: the first GPU
+    # run's CSVs should replace these.
+    "cuda": DeviceCosts(
+        "assumed for one H100 and Qwen2.5-7B bf16, not yet measured", load_s=15,
+        step_s=0.030, row_s=0.0002, prefill_token_s=0.00005,
+        engine_factor={"paged-loop": 3.0, "paged-vectorized": 1.2, "paged-attention": 0.8,
+                       "async:sync": 0.7, "async:overlap": 0.5, "async:cuda-graph": 0.25},
+        serving_tok_s={"continuous": 2000, "prefix-cache": 2000, "static-paged-attention": 320,
+                       "static-hf": 260, "hf-cb": 800}),
+}
+
+
+def device_costs(device: torch.device) -> DeviceCosts:
+    return COSTS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def bench_seconds(config: BenchConfig, device: torch.device,
+                  engines: tuple[str, ...] | None = None) -> float:
+    """Every engine at every batch size, warm-up runs included."""
+    costs = device_costs(device)
+    runs = config.warmup + config.repeat
+    return sum(runs * (costs.prefill_token_s * batch * config.prompt_len
+                       + config.new_tokens * costs.step(engine, batch))
+               for engine in engines or config.engines for batch in config.batch_sizes)
+
+
+def bench_plan(model: str, device: torch.device, config: BenchConfig) -> ChapterPlan:
+    seconds = device_costs(device).load_s + bench_seconds(config, device)
+    return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), config.engines, config.batch_sizes,
+                       f"prompt {config.prompt_len} + {config.new_tokens} new",
+                       config.repeat, seconds)
+
+
+def profile_seconds(device: torch.device, engine: str, batch_sizes: tuple[int, ...],
+                    prompt_len: int, steps: int) -> float:
+    """Profiled decode steps; the profiler and the trace export about triple their cost."""
+    costs = device_costs(device)
+    return 3 * sum(costs.prefill_token_s * b * prompt_len + steps * costs.step(engine, b)
+                   for b in batch_sizes)
+
+
+def chapter05_plan(device: torch.device) -> ChapterPlan:
+    model, base = default_workload(device)
+    engines = ("hf", "paged-prealloc", "paged-prealloc/ranges-off")
+    steps = chapter05_profile_steps(device) + 2  # the warm-up steps are in the trace too
+    seconds = (device_costs(device).load_s + bench_seconds(base, device, engines)
+               + sum(profile_seconds(device, e, base.batch_sizes, base.prompt_len, steps)
+                     for e in ("paged-prealloc", "paged-loop")))
+    return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), engines, base.batch_sizes,
+                       f"prompt {base.prompt_len} + {base.new_tokens} new; "
+                       f"{steps} profiled steps", base.repeat, seconds)
+
+
+def chapter07_plan(device: torch.device) -> ChapterPlan:
+    model, base = default_workload(device)
+    engines = CHAPTERS["07"].engines_for(device.type)
+    config = replace(base, engines=engines)
+    loops = [e for e in engines if e.startswith("async")]
+    seconds = (bench_plan(model, device, config).estimate_s
+               + sum(profile_seconds(device, e, (8,), base.prompt_len, 6) for e in loops))
+    return replace(bench_plan(model, device, config), estimate_s=seconds,
+                   tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; "
+                          f"4 profiled steps per loop")
+
+
+def chapter08_plan(device: torch.device) -> ChapterPlan:
+    return serving_plan(*serving_experiments(device), device, "target")
+
+
+def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
+    """Chapter 08's target run with ``continuous``, in-process and over HTTP, ``rounds`` times
+    (the server loads a model of its own: a second load)."""
+    model, experiments = serving_experiments(device)
+    target = replace(experiments["target"], systems=("continuous",))
+    one = serving_plan(model, {"target": target}, device, "target")
+    load_s = device_costs(device).load_s
+    return replace(one, engines=("continuous", "http"), repeats=rounds,
+                   estimate_s=2 * load_s + 2 * rounds * (one.estimate_s - load_s))
+
+
+def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,
+                 main: str) -> ChapterPlan:
+    """A serving chapter's plan: every experiment's runs; ``main`` names the one described."""
+    costs = device_costs(device)
+    seconds = costs.load_s
+    systems: list[str] = []
+    for config in experiments.values():
+        w = config.workload
+        output_tokens = w.num_requests * sum(w.output_len) / 2
+        for rate in config.request_rates or (w.request_rate,):
+            span = w.num_requests / rate if math.isfinite(rate) else 0.0
+            for system in config.systems:
+                budgets = len(config.max_num_batched_tokens) \
+                    if system in (*STEPPED_SYSTEMS, "hf-cb") else 1
+                # Arrivals take their span; the work queues behind them (upper bound).
+                seconds += budgets * (span + output_tokens / costs.serving_tok_s[system])
+                systems += [s for s in (system,) if s not in systems]
+    target = experiments[main].workload
+    return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), tuple(systems),
+                       tuple(c.static_batch_size for c in experiments.values())[:1],
+                       f"{target.num_requests} requests, prompts {target.prompt_len[0]}-"
+                       f"{target.prompt_len[1]}, outputs {target.output_len[0]}-"
+                       f"{target.output_len[1]}; {len(experiments)} experiments", 1, seconds)
+
+
+# A chapter's `recording` in the registry -> its plan: (chapter, device) -> ChapterPlan.
+PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
+    "none": lambda chapter, device: ChapterPlan("-", "-", (), (), "none", 0, 0.0),
+    "bench": lambda chapter, device: bench_plan(
+        default_workload(device)[0], device,
+        replace(default_workload(device)[1], engines=CHAPTERS[chapter].engines_for(device.type))),
+    "profile": lambda chapter, device: chapter05_plan(device),
+    "async": lambda chapter, device: chapter07_plan(device),
+    "serving": lambda chapter, device: chapter08_plan(device),
+    "prefix": lambda chapter, device: serving_plan(*prefix_cache_experiments(device), device,
+                                                   "shared-prefix"),
+    "server": lambda chapter, device: chapter10_plan(device),
+}
+
+
+def plan_chapter(chapter: str, device: torch.device) -> ChapterPlan:
+    return PLANS[CHAPTERS[chapter].recording](chapter, device)

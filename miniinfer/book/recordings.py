@@ -1,0 +1,288 @@
+"""Each chapter's recording: runs on this machine whose results go to
+``data/results/chNN/<device-slug>*.csv``. :data:`RECORDERS` maps a chapter's ``recording``
+(in the chapter registry) to the function that records it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..bench.offline import run_bench, summary_table
+from ..bench.serving import ServingBenchConfig, run_serving_bench
+from ..bench.serving import summary_table as serving_summary_table
+from ..core.devices import REPO_ROOT, device_slug, device_speed
+from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
+from .chapters import CHAPTERS
+from .results import RESULTS
+from .workloads import (
+    ContextSweep,
+    chapter05_profile_steps,
+    context_sweep,
+    default_workload,
+    prefix_cache_experiments,
+    serving_experiments,
+)
+
+
+def results_path(chapter: str, device: torch.device) -> Path:
+    return RESULTS / f"ch{chapter}" / f"{device_slug(device)}.csv"
+
+
+def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
+                      lm: LoadedModel | None = None) -> Path:
+    """The chapter's offline benchmark (on ``lm``, or the device's default model)."""
+    dev = resolve_device(device)
+    model, base = default_workload(dev)
+    config = replace(base, engines=CHAPTERS[chapter].engines_for(dev.type), chapter=chapter)
+    lm = lm or load_model(model, device=dev)
+    df = run_bench(lm, config, speed=device_speed(dev, store=True))
+    print(summary_table(df).to_string(index=False))
+    out = results_path(chapter, dev)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(f"wrote {out.relative_to(REPO_ROOT)}")
+    return out
+
+
+def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
+                      chapter: str = "") -> pd.DataFrame:
+    """One row per engine x context length: plain decode ``step_ms``, ``decode_tok_s``,
+    ``ttft_ms``, ``pct_of_hf`` (decode step, hf's over the engine's), the decode floor, and for
+    paged stages ``<phase>_ms`` per step from a profiled run (``profiled_step_ms`` is that run's
+    step: the profiler adds its own cost per op, so read phases as shares of it)."""
+    from ..bench.offline import make_prompts, own_threads, run_metrics
+    from ..bench.profiling import phase_table, profile_decode
+    from ..core.devices import LoadGuard, decode_floor, run_metadata
+    from ..core.sampling import SamplingParams
+    from ..engines import make_engine
+
+    made = {name: make_engine(name, lm) for name in engines}
+    params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)
+    meta = run_metadata(lm.device)
+    warm = make_prompts(lm, sweep.batch_size, min(sweep.context_lens))
+    for engine in made.values():
+        engine.generate(warm, params)
+    rows = []
+    for context_len in sweep.context_lens:
+        prompts = make_prompts(lm, sweep.batch_size, context_len)
+        floor = decode_floor(lm, sweep.batch_size, context_len + sweep.new_tokens // 2,
+                             speed.bandwidth, speed.peak_flops)
+        with LoadGuard(own_threads(lm)) as load:
+            measured = {}
+            for name, engine in made.items():
+                result = engine.generate(prompts, params)
+                row = run_metrics(result, sweep.batch_size, sweep.new_tokens)
+                if name != "hf":
+                    trace = profile_decode(engine, prompts, sweep.profiled_steps, warmup_steps=1,
+                                           warm=False)
+                    phases = phase_table(trace).set_index("phase").ms_per_step
+                    row |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
+                            for k, v in phases.items()}
+                measured[name] = row
+        load.warn(f"context {context_len}")
+        for name, row in measured.items():
+            hf_step = measured["hf"]["step_ms"] if "hf" in measured else float("nan")
+            rows.append({"chapter": chapter, "engine": name, "model": lm.name,
+                         "dtype": dtype_name(lm.dtype),
+                         "batch_size": sweep.batch_size, "context_len": context_len,
+                         "new_tokens": sweep.new_tokens, **row,
+                         "pct_of_hf": 100 * hf_step / row["step_ms"],
+                         "floor_ms": floor.step_ms, "floor_bound": floor.bound,
+                         "kv_mb_per_step": floor.kv_bytes / 2**20,
+                         "pct_of_floor": 100 * floor.step_ms / row["step_ms"],
+                         **load.columns(), **meta})
+    return pd.DataFrame(rows)
+
+
+def run_chapter_context(chapter: str, device: str | torch.device | None = "auto") -> Path:
+    """The context sweep of ``chapter`` on this device -> ``chNN/<device>-context.csv``."""
+    dev = resolve_device(device)
+    model, _ = default_workload(dev)
+    lm = load_model(model, device=dev)
+    df = run_context_sweep(lm, CHAPTERS[chapter].context_sweep, context_sweep(dev),
+                           device_speed(dev, store=True), chapter)
+    print(df.pivot_table(index="context_len", columns="engine", values="step_ms",
+                         sort=False).round(1).to_string())
+    out = RESULTS / f"ch{chapter}" / f"{device_slug(dev)}-context.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(f"wrote {out.relative_to(REPO_ROOT)}")
+    return out
+
+
+def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
+    """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
+    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; then
+    benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    from ..bench.profiling import RangesOff, phase_repeats, profile_stages
+    from ..engines import make_engine
+
+    dev = resolve_device(device)
+    model, base = default_workload(dev)
+    lm = load_model(model, device=dev)
+    slug = device_slug(dev)
+    out_dir = RESULTS / "ch05"
+    steps = chapter05_profile_steps(dev)
+    prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
+                          trace_prefix=f"{slug}-")
+    phases = phase_repeats(lm, "paged-prealloc", base.batch_sizes, base.prompt_len, steps,
+                           repeats=5)
+    if "device_ms_per_step" in prof.phases:  # CUDA: the device time of one profiled run
+        phases = phases.merge(prof.phases[["batch_size", "phase", "device_ms_per_step"]],
+                              on=["batch_size", "phase"], how="left")
+    prealloc = make_engine("paged-prealloc", lm)
+    config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
+                     chapter="05")
+    bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
+                                   "paged-prealloc/ranges-off": RangesOff(prealloc)},
+                      speed=device_speed(dev, store=True))
+    print(summary_table(bench).to_string(index=False))
+    meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
+                          "git_sha", "date"]].to_dict()
+    written = []
+    for kind, df in (("phases", phases), ("ops", prof.ops), ("top", prof.top),
+                     ("bench", bench)):
+        path = out_dir / f"{slug}-{kind}.csv"
+        df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
+
+
+def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
+    """The benchmark of every loop (``<device>.csv``), then a few profiled decode steps of each
+    loop at batch 8 as Gantt bars (``timeline/<device>.csv``)."""
+    from ..bench.offline import make_prompts
+    from ..bench.profiling import profile_decode, timeline
+    from ..engines import make_engine
+    from . import read_results
+
+    dev = resolve_device(device)
+    model, base = default_workload(dev)
+    lm = load_model(model, device=dev)  # once: a second 7B would hold 15 GB more
+    bench_path = run_chapter_bench("07", dev, lm)
+    prompts = make_prompts(lm, 8, base.prompt_len)
+    bars = []
+    for name in CHAPTERS["07"].engines_for(dev.type):
+        if name.startswith("async") or name == "paged-attention":
+            trace = profile_decode(make_engine(name, lm), prompts, steps=4)
+            bars.append(timeline(trace).assign(engine=name, batch_size=8))
+    # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
+    path = RESULTS / "ch07" / "timeline" / f"{device_slug(dev)}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "torch",
+                                            "git_sha", "date"]].to_dict()
+    pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
+    print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return [bench_path, path]
+
+
+def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
+    """Serve the chapter's workloads with every system; writes ``<device>-runs.csv`` (one row
+    per run), ``-requests.csv`` (per request) and ``-steps.csv`` (our engine's steps), each
+    row tagged with its experiment."""
+    dev = resolve_device(device)
+    model, experiments = serving_experiments(dev)
+    runs, written = record_serving(dev, "08", model, experiments)
+    target = runs[runs.experiment == "target"].set_index("system").output_throughput
+    for baseline in target.index.drop("continuous"):
+        print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
+              f"output tokens/s")
+    return written
+
+
+def record_serving(dev: torch.device, chapter: str, model: str,
+                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
+    """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
+    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
+    lm = load_model(model, device=dev)
+    tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
+    for name, config in experiments.items():
+        results = run_serving_bench(lm, config)
+        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
+        for kind, frames in tables.items():
+            frames.append(getattr(results, kind).assign(experiment=name))
+    out_dir = RESULTS / f"ch{chapter}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frames in tables.items():
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        pd.concat(frames, ignore_index=True).to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return pd.concat(tables["runs"], ignore_index=True), written
+
+
+def run_chapter09(device: str | torch.device | None = "auto") -> list[Path]:
+    """Serve chapter 09's workloads with and without prefix caching; writes
+    ``data/results/ch09/<device>-{runs,requests,steps}.csv``, every row tagged with its
+    experiment."""
+    dev = resolve_device(device)
+    model, experiments = prefix_cache_experiments(dev)
+    return record_serving(dev, "09", model, experiments)[1]
+
+
+def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -> list[Path]:
+    """Chapter 08's ``target`` workload served by the same engine twice per round: in this
+    process (``continuous``, as chapter 08 measures it) and over HTTP (``http``: a ``serve``
+    child process on this machine, measured at the client), the order alternating between
+    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``."""
+    from ..bench.serving import default_pool_bytes
+    from ..bench.serving.http import run_http_bench
+    from ..server import ServerProcess
+
+    dev = resolve_device(device)
+    model, experiments = serving_experiments(dev)
+    target = replace(experiments["target"], systems=("continuous",), chapter="10")
+    lm = load_model(model, device=dev)
+    # The server's engine gets the same token budget and KV pool as the in-process one.
+    server_args = ["--device", str(dev),
+                   "--max-num-batched-tokens", str(target.max_num_batched_tokens[0]),
+                   "--kv-cache-bytes", str(target.kv_cache_bytes or default_pool_bytes(lm))]
+    runs, requests = [], []
+    with ServerProcess(model, *server_args) as server:
+        for round_ in range(rounds):
+            for mode in ("in-process", "http")[:: 1 if round_ % 2 == 0 else -1]:
+                results = (run_http_bench(lm, server.base_url, target.workload, chapter="10")
+                           if mode == "http" else run_serving_bench(lm, target, progress=False))
+                runs.append(results.runs.assign(experiment="target", round=round_))
+                requests.append(results.requests.assign(experiment="target", round=round_))
+                print(f"round {round_} {mode}:\n"
+                      f"{serving_summary_table(results.runs).to_string(index=False)}")
+    table = pd.concat(runs, ignore_index=True)
+    by_round = table.pivot_table(index="round", columns="system",
+                                 values=["output_throughput", "ttft_p50_ms"])
+    ratio = (by_round.output_throughput.http / by_round.output_throughput.continuous).median()
+    overhead = (by_round.ttft_p50_ms.http - by_round.ttft_p50_ms.continuous).median()
+    print(f"http / in-process output tokens/s: {ratio:.3f} (median of {rounds} rounds); "
+          f"TTFT p50 overhead: {overhead:.1f} ms")
+    out_dir = RESULTS / "ch10"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True))):
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        frame.to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return written
+
+
+def _reads_results_only(chapter: str, device: torch.device) -> list[Path]:
+    print(f"chapter {chapter} reads the recorded results only: nothing to measure")
+    return []
+
+
+# A chapter's `recording` in the registry -> what records it: (chapter, device) -> files.
+RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
+    "none": _reads_results_only,
+    "bench": lambda chapter, device: [run_chapter_bench(chapter, device)],
+    "profile": lambda chapter, device: run_chapter05(device),
+    "async": lambda chapter, device: run_chapter07(device),
+    "serving": lambda chapter, device: run_chapter08(device),
+    "prefix": lambda chapter, device: run_chapter09(device),
+    "server": lambda chapter, device: run_chapter10(device),
+}

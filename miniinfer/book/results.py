@@ -1,0 +1,230 @@
+"""The recorded results (``data/results/chNN/<device>.csv``) read back as tables for the book."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from ..core.devices import REPO_ROOT
+from .chapters import chapter_of_stage
+from .presets import Preset
+
+RESULTS = REPO_ROOT / "data" / "results"
+
+
+# Read as text: a commit like "2638e60" would otherwise parse as the number 2.638e63.
+TEXT_COLUMNS = {"chapter": str, "git_sha": str, "date": str}
+
+
+def read_results(path) -> pd.DataFrame:
+    """A results CSV with its identifying columns kept as text."""
+    return pd.read_csv(path, dtype=TEXT_COLUMNS)
+
+
+def _is_sweep(path) -> bool:
+    return path.name.endswith("-context.csv")
+
+
+def recorded_results(chapter: str) -> pd.DataFrame:
+    """Every device's benchmark CSV for a chapter, written by ``make chapter-NN`` runs."""
+    files = sorted(f for f in (RESULTS / f"ch{chapter}").glob("*.csv") if not _is_sweep(f))
+    if not files:
+        return pd.DataFrame()
+    return pd.concat([read_results(f) for f in files], ignore_index=True)
+
+
+def tok_s_table(df: pd.DataFrame, value: str = "tok_s") -> pd.DataFrame:
+    """Devices x batch sizes as rows, engines as columns."""
+    return df.pivot_table(index=["device_name", "model", "dtype", "batch_size"], columns="engine",
+                          values=value, sort=False).round(1)
+
+
+def results_markdown() -> str:
+    """Every recorded offline benchmark as markdown tables (one per chapter and device): tok/s
+    and % of HF per engine and batch size. The README's results section is this output."""
+    out = []
+    needed = {"engine", "batch_size", "tok_s", "pct_of_hf"}
+    for path in sorted(RESULTS.glob("ch*/*.csv")):
+        dev = read_results(path)
+        if not needed <= set(dev.columns) or _is_sweep(path):
+            continue  # profiles, serving runs: their chapters show them
+        table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
+        cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
+        first = dev.iloc[0]
+        spread = ", per-repeat min-max" if "pct_of_hf_min" in dev.columns else ""
+        out.append(f"**{path.parent.name}** ({path.name}): {first.device_name}, {first.model} "
+                   f"{first['dtype']}, prompt {first.prompt_len}, {first.new_tokens} new tokens, "
+                   f"p50 of {first.repeats}, torch {first.torch}, transformers "
+                   f"{first.transformers}, git {first.git_sha}. tok/s (% of hf{spread}):\n")
+        out.append(_markdown(cells.reset_index()) + "\n")
+    return "\n".join(out)
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    rows = [list(map(str, df.columns)), ["---"] * len(df.columns)]
+    rows += [list(map(str, r)) for r in df.itertuples(index=False)]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.DataFrame:
+    """ "97% [91-104]": the median paired ratio to hf and its per-repeat extremes (runs
+    recorded before the extremes were kept show the median alone)."""
+    def pivot(value: str) -> pd.DataFrame:
+        return df.pivot_table(index=index, columns="engine", values=value, sort=False,
+                              dropna=False).round(0).astype("Int64").astype(str)
+
+    cells = pivot("pct_of_hf") + "%"
+    if "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all():
+        spread = " [" + pivot("pct_of_hf_min") + "-" + pivot("pct_of_hf_max") + "]"
+        # hf against itself is 100% in every repeat: no range to show.
+        cells = cells + spread.drop(columns="hf", errors="ignore").reindex(
+            columns=cells.columns, fill_value="")
+    return cells
+
+
+def ablation_table(df: pd.DataFrame, steps: list[tuple[str, str, str]]) -> pd.DataFrame:
+    """Each ``(before, after, change)`` in ``steps``: the change in median % of hf from stage
+    ``before`` to ``after``, per device and batch size, and whether the run can tell it from
+    noise (the two stages' per-repeat ranges do not overlap; runs without ranges: unknown)."""
+    rows = []
+    has_spread = "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all()
+    for (device, batch), dev in df.groupby(["device_name", "batch_size"], sort=False):
+        stage = dev.set_index("engine")
+        for before, after, change in steps:
+            if before not in stage.index or after not in stage.index:
+                continue
+            a, b = stage.loc[before], stage.loc[after]
+            if has_spread:
+                apart = a.pct_of_hf_max < b.pct_of_hf_min or b.pct_of_hf_max < a.pct_of_hf_min
+                verdict = "yes" if apart else "no (ranges overlap)"
+            else:
+                verdict = "unknown (no per-repeat ranges)"
+            rows.append({"device_name": device, "batch_size": batch, "change": change,
+                         "from": before, "to": after,
+                         "points of hf": round(b.pct_of_hf - a.pct_of_hf, 1),
+                         "outside noise": verdict})
+    return pd.DataFrame(rows).set_index(["device_name", "batch_size", "change"])
+
+
+def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
+    """% of hf per device and batch size, engines as columns, with each cell's per-repeat range: "97% [91-104]" is a median
+    paired ratio of 97% whose repeats ranged from 91% to 104%. Where two engines' ranges
+    overlap this much, the run cannot tell them apart."""
+    return _pct_cells(df, ["device_name", "model", "dtype", "batch_size"])
+
+
+def load_note(df: pd.DataFrame) -> str:
+    """One line on how busy the machine was while ``df`` was recorded (the load guard's
+    columns): a run with competing work is marked "recorded on a busy machine"."""
+    if "busy" not in df.columns:
+        return "load: not recorded yet (this run predates the load guard)"
+    busy = df[df.busy.astype(str).str.lower() == "true"]
+    worst = df[["load_before", "load_after"]].max().max()
+    steal = df.steal_pct.max() if "steal_pct" in df.columns else float("nan")
+    steal_text = f", CPU steal up to {steal:.1f}%" if steal == steal else ""
+    if busy.empty:
+        return f"load: quiet machine (load per core up to {worst:.2f}{steal_text})"
+    return (f"RECORDED ON A BUSY MACHINE: {len(busy)} of {len(df)} rows saw competing work "
+            f"(load per core up to {worst:.2f}{steal_text}); read its numbers with care")
+
+
+def device_table() -> pd.DataFrame:
+    """The speed of light of every recorded device (``data/results/devices.csv``)."""
+    from ..core.devices import DEVICES_CSV
+
+    return pd.read_csv(DEVICES_CSV) if DEVICES_CSV.exists() else pd.DataFrame()
+
+
+def recorded_context_sweeps(chapter: str) -> pd.DataFrame:
+    """Every device's context-length sweep for a chapter (``chNN/<device>-context.csv``);
+    empty until ``make chapter-NN`` has recorded one."""
+    files = sorted((RESULTS / f"ch{chapter}").glob("*-context.csv"))
+    if not files:
+        return pd.DataFrame()
+    return pd.concat([read_results(f) for f in files], ignore_index=True)
+
+
+def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
+                         ) -> pd.DataFrame:
+    """Each stage's % of the decode floor per device and batch size, from the chapters'
+    recorded benchmarks (a stage measured in several chapters: its latest chapter's run).
+
+    Runs recorded before the device table measured their own copy bandwidth, which varies from
+    run to run on a shared machine; so that runs of different chapters compare, each row's
+    share is rescaled to one bandwidth per device: the device table's (``devices.csv``) where
+    it has the device, else the median of its runs' (the share is bytes per step / bandwidth /
+    step time, so it scales with 1 / bandwidth; a compute-bound floor is not rescaled)."""
+    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    # One bandwidth per run (a run's rows share it), then the median over a device's runs.
+    per_run = df.drop_duplicates(["device_name", "bandwidth_gbs"])
+    device_bandwidth = df.device_name.map(per_run.groupby("device_name").bandwidth_gbs.median())
+    table = device_table()
+    if not table.empty:
+        recorded = df.device_name.map(table.set_index("name").bandwidth_gbs)
+        device_bandwidth = recorded.fillna(device_bandwidth)
+    compute_bound = (df.floor_bound.eq("compute") if "floor_bound" in df
+                     else pd.Series(False, index=df.index))
+    df = df.assign(pct_of_floor=df.pct_of_floor.where(
+        compute_bound, df.pct_of_floor * df.bandwidth_gbs / device_bandwidth))
+    return tok_s_table(df, "pct_of_floor")
+
+
+def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.DataFrame, str]:
+    """The chapter's benchmark on this machine. With the full preset, the CSV ``make
+    chapter-NN`` has just written for this device is shown as is (re-measuring it would only
+    double the wait); otherwise, and when this device has no CSV yet, it is measured now."""
+    from ..bench.offline import run_bench
+    from ..core.devices import device_slug
+
+    path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}.csv"
+    if p.name == "full" and path.exists():
+        df = read_results(path)
+        if df.model.iloc[0] == lm.name:
+            return df, f"recorded by make chapter-{p.bench.chapter} on this device ({path.name})"
+    return run_bench(lm, p.bench, engines), "measured live in this notebook"
+
+
+def recorded_devices(chapter: str) -> list[str]:
+    """Device names with any recorded CSV for a chapter (benchmarks, profiles, serving runs)."""
+    names: dict[str, None] = {}
+    for path in sorted((RESULTS / f"ch{chapter}").rglob("*.csv")):
+        names.update(dict.fromkeys(read_results(path).get("device_name", pd.Series()).dropna()))
+    return list(names)
+
+
+def stage_results(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
+                  ) -> pd.DataFrame:
+    """Every stage's % of hf and % of the speed of light per recorded device and batch size,
+    one row each: a stage measured in several chapters is taken from its latest chapter's run
+    (its % of hf is from that run; its % of the floor is rescaled to one bandwidth per device
+    as in :func:`speed_of_light_table`)."""
+
+    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    floor = speed_of_light_table(chapters).stack().rename("pct_of_floor").reset_index()
+    df = df.drop(columns="pct_of_floor").merge(
+        floor, on=["device_name", "model", "dtype", "batch_size", "engine"], how="left")
+    df["stage_chapter"] = [chapter_of_stage(e) for e in df.engine]
+    df["is_baseline"] = df.engine != "hf"  # False sorts first: hf leads its chapter's stages
+    df = df.sort_values(["device_name", "stage_chapter", "is_baseline"], kind="stable")
+    return df[["device_name", "model", "dtype", "stage_chapter", "engine", "chapter",
+               "batch_size", "pct_of_hf", "pct_of_floor"]].reset_index(drop=True)
+
+
+def recorded_runs() -> pd.DataFrame:
+    """One row per recorded results file: chapter, file, and the device, model, software and
+    commit of the run that wrote it."""
+    columns = ["device_name", "model", "dtype", "torch", "transformers", "git_sha", "date"]
+    rows = []
+    for path in sorted(RESULTS.glob("ch*/**/*.csv")):
+        first = read_results(path).iloc[0]
+        rows.append({"chapter": path.relative_to(RESULTS).parts[0][2:],
+                     "file": str(path.relative_to(RESULTS)),
+                     **{c: first.get(c, "") for c in columns}})
+    return pd.DataFrame(rows)
