@@ -25,9 +25,9 @@ from miniinfer.runner.tensor_parallel import (
     RankFailure,
     ShardLayout,
     TensorParallelForward,
-    _payload_len,
     allocate_kv_pool,
     pack_step,
+    payload_len,
     shard_layout,
     unpack_step,
 )
@@ -164,7 +164,7 @@ def test_pack_then_unpack_gives_the_engines_metadata(tiny):
     kinds = set()
     for ids, positions, metadata in recording.steps:
         header, payload = pack_step(ids, positions, metadata)
-        assert len(header) == HEADER_LEN and payload.numel() == _payload_len(header)
+        assert len(header) == HEADER_LEN and payload.numel() == payload_len(header)
         ids2, positions2, unpacked = unpack_step(header, payload, kv)
         assert torch.equal(ids2, ids.long()) and torch.equal(positions2, positions.long())
         assert type(unpacked) is type(metadata)

@@ -329,17 +329,21 @@ def weights_fingerprint(model: PreTrainedModel) -> torch.Tensor:
 # -- one step on the wire ----------------------------------------------------------------------
 
 
+def _parts(metadata: Metadata) -> tuple[int, list[PagedAttentionMetadata | None]]:
+    """``num_decodes`` (-1 for chapter 06's one-part metadata) and the two attention parts."""
+    if isinstance(metadata, MixedBatchMetadata):
+        return metadata.num_decodes, [metadata.decodes, metadata.chunks]
+    if isinstance(metadata, PagedAttentionMetadata):
+        return -1, [metadata, None]
+    raise MiniInferError(f"tensor parallelism runs paged-attention metadata "
+                         f"(PagedAttentionMetadata, MixedBatchMetadata), not "
+                         f"{type(metadata).__name__}")
+
+
 def pack_step(input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: Metadata
               ) -> tuple[list[int], torch.Tensor]:
     """The step's header (HEADER_LEN ints) and its index tensors as one flat int64 payload."""
-    if isinstance(metadata, MixedBatchMetadata):
-        num_decodes, parts = metadata.num_decodes, [metadata.decodes, metadata.chunks]
-    elif isinstance(metadata, PagedAttentionMetadata):
-        num_decodes, parts = -1, [metadata, None]
-    else:
-        raise MiniInferError(f"tensor parallelism runs paged-attention metadata "
-                             f"(PagedAttentionMetadata, MixedBatchMetadata), not "
-                             f"{type(metadata).__name__}")
+    num_decodes, parts = _parts(metadata)
     header = [STEP, input_ids.numel(), num_decodes]
     tensors = [input_ids, position_ids]
     for part in parts:
@@ -366,12 +370,12 @@ def unpack_step(header: Sequence[int], payload: torch.Tensor,
     offset = 2 * num_tokens
     parts: list[PagedAttentionMetadata | None] = []
     for p in range(2):
-        (present, batch, width, tokens, prefill, max_seqlen_q, max_context,
+        (present, batch, width, _, prefill, max_seqlen_q, max_context,
          backend) = header[3 + p * PART_FIELDS : 3 + (p + 1) * PART_FIELDS]
         if not present:
             parts.append(None)
             continue
-        sizes = [batch * width, batch, tokens] + ([batch + 1] if prefill else [])
+        sizes = _part_sizes(header, p)
         fields = payload[offset : offset + sum(sizes)].split(sizes)
         offset += sum(sizes)
         parts.append(PagedAttentionMetadata(
@@ -384,14 +388,24 @@ def unpack_step(header: Sequence[int], payload: torch.Tensor,
     return ids, positions, MixedBatchMetadata(num_decodes, parts[0], parts[1])
 
 
+def _part_sizes(header: Sequence[int], p: int) -> list[int]:
+    """Lengths of part ``p``'s block tables, context lens, slot mapping (and query boundaries
+    for a prefill part) in the payload; none for an absent part."""
+    present, batch, width, tokens, prefill = header[3 + p * PART_FIELDS :][:5]
+    if not present:
+        return []
+    return [batch * width, batch, tokens] + ([batch + 1] if prefill else [])
+
+
+def payload_len(header: Sequence[int]) -> int:
+    return 2 * header[1] + sum(sum(_part_sizes(header, p)) for p in range(2))
+
+
 def with_pool(metadata: Metadata, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Metadata:
     """The engine's metadata reading and writing ``kv`` (rank 0's shard of the pool)."""
-    if isinstance(metadata, MixedBatchMetadata):
-        return MixedBatchMetadata(
-            metadata.num_decodes,
-            *(None if part is None else dataclasses.replace(part, kv=kv)
-              for part in (metadata.decodes, metadata.chunks)))
-    return dataclasses.replace(metadata, kv=kv)
+    num_decodes, parts = _parts(metadata)
+    own = [None if part is None else dataclasses.replace(part, kv=kv) for part in parts]
+    return own[0] if num_decodes < 0 else MixedBatchMetadata(num_decodes, *own)
 
 
 # -- processes and groups ----------------------------------------------------------------------
@@ -751,17 +765,8 @@ def serve(rdv: Rendezvous) -> None:
             values = header.tolist()
             if values[0] == SHUTDOWN:
                 break
-            payload = torch.empty(_payload_len(values), dtype=torch.int64, device=device)
+            payload = torch.empty(payload_len(values), dtype=torch.int64, device=device)
             dist.broadcast(payload, 0)
             ids, positions, metadata = unpack_step(values, payload, kv)
             shard(ids, positions, metadata)
     dist.destroy_process_group()
-
-
-def _payload_len(header: Sequence[int]) -> int:
-    total = 2 * header[1]
-    for p in range(2):
-        present, batch, width, tokens, prefill = header[3 + p * PART_FIELDS:][:5]
-        if present:
-            total += batch * width + batch + tokens + (batch + 1 if prefill else 0)
-    return total
