@@ -17,7 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miniinfer import InvalidRequestError, MiniInferError, SamplingParams, make_engine
+from miniinfer import (
+    InvalidRequestError,
+    MiniInferError,
+    SamplingParams,
+    load_model,
+    make_engine,
+)
 from miniinfer.engines.continuous import MixedBatchMetadata
 from miniinfer.engines.direct_forward import DirectForward
 from miniinfer.runner.tensor_parallel import (
@@ -30,6 +36,7 @@ from miniinfer.runner.tensor_parallel import (
     payload_len,
     shard_layout,
     unpack_step,
+    weights_fingerprint,
 )
 from miniinfer.runner.tensor_parallel_costs import (
     LLAMA_70B,
@@ -155,6 +162,17 @@ def test_tp1_is_direct_forward_bit_for_bit(tiny):
     tokens, ours = paged_run(tiny, TensorParallelForward(tiny, 1, **POOL), prompts, GREEDY)
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(ours.logits, ref.logits, strict=True))
+
+
+def test_weights_fingerprint_tells_a_changed_tensor(tiny):
+    """Workers load the model themselves; this is how rank 0 knows they loaded the same one."""
+    again = load_model("tiny")  # random weights, from the same seed
+    assert torch.equal(weights_fingerprint(again.model), weights_fingerprint(tiny.model))
+    names = [name for name, _ in again.model.named_parameters()]
+    with torch.no_grad():
+        again.model.model.layers[1].mlp.up_proj.weight[3, 5] += 1e-6
+    differs = weights_fingerprint(again.model) != weights_fingerprint(tiny.model)
+    assert [names[i] for i in differs.nonzero()[:, 0]] == ["model.layers.1.mlp.up_proj.weight"]
 
 
 def test_pack_then_unpack_gives_the_engines_metadata(tiny):

@@ -500,16 +500,33 @@ class Workers:
     def check(self) -> bool:
         """Raise :class:`RankFailure` if a worker failed (the others are then ended); True when
         every worker has exited cleanly."""
-        try:
-            return self.context.join(timeout=0, grace_period=EXIT_GRACE_S)
-        except mp.ProcessExitedException as exc:
-            how = f"killed by signal {exc.signal_name}" if exc.signal_name \
-                else f"exit code {exc.exit_code}"
-            raise RankFailure(f"tensor-parallel rank {exc.error_index + 1} (pid "
-                              f"{exc.error_pid}) died ({how})") from None
-        except mp.ProcessRaisedException as exc:
-            raise RankFailure(f"tensor-parallel rank {exc.error_index + 1} (pid "
-                              f"{exc.error_pid}) raised an error:{exc}") from None
+        codes = [p.exitcode for p in self.context.processes]
+        failed = [rank for rank, code in enumerate(codes, 1) if code not in (None, 0)]
+        if not failed:
+            return all(code == 0 for code in codes)
+        self.stop(grace_s=EXIT_GRACE_S)
+        # When one rank dies the others fail too, their connections to it closed. A rank
+        # killed by a signal (a kill, the OOM killer) is the likely cause; else the lowest.
+        first = min(failed, key=lambda rank: (codes[rank - 1] > 0, rank))
+        also = "; ".join(self._describe(rank, brief=True) for rank in failed if rank != first)
+        raise RankFailure(f"tensor-parallel {self._describe(first)}"
+                          + (f"\n(then also: {also})" if also else ""))
+
+    def _describe(self, rank: int, brief: bool = False) -> str:
+        """How worker ``rank`` ended, with the traceback it left (torch's spawn wrapper saves
+        it in a file for the parent) or, ``brief``, its last line."""
+        process = self.context.processes[rank - 1]
+        code = process.exitcode
+        head = f"rank {rank} (pid {process.pid})"
+        if code < 0:
+            return f"{head} died (killed by signal {signal.Signals(-code).name})"
+        error_file = self.context.error_files[rank - 1]
+        if not os.path.exists(error_file):
+            return f"{head} died (exit code {code})"
+        with open(error_file, "rb") as f:
+            trace = pickle.load(f).rstrip()
+        return f"{head} failed: {trace.splitlines()[-1]}" if brief \
+            else f"{head} raised an error:\n{trace}"
 
     def wait_for_exit(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for some worker to exit; raise RankFailure if one did."""
