@@ -530,9 +530,14 @@ class Workers:
 
     def wait_for_exit(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for some worker to exit; raise RankFailure if one did."""
-        sentinels = [p.sentinel for p in self.context.processes if p.exitcode is None]
-        if sentinels:
-            multiprocessing.connection.wait(sentinels, timeout=timeout_s)
+        running = [p for p in self.context.processes if p.exitcode is None]
+        ready = multiprocessing.connection.wait([p.sentinel for p in running],
+                                                timeout=timeout_s) if running else []
+        for process in running:
+            if process.sentinel in ready:
+                # Its sentinel closes as it exits, a moment before it can be reaped: wait for
+                # that (a non-blocking look could still see it running).
+                process.join()
         self.check()
 
     def wait_until(self, done: Callable[[], bool], what: str, timeout_s: float) -> None:
@@ -615,7 +620,12 @@ class TensorParallelForward:
 
     ``lm`` is rank 0's model (its shard is copied out; the other ranks load ``lm.name``
     themselves). At TP=1 no process starts and the forward is DirectForward's computation.
-    Close it (``close``, ``with``, or let the finalizer do it) to end the workers."""
+    Close it (``close``, ``with``, or let the finalizer do it) to end the workers; a process
+    holds one group at a time.
+
+    The workers are spawned: a script that builds one needs the usual ``if __name__ ==
+    "__main__":`` guard, and the thread that builds it must outlive it (a worker is killed when
+    the thread that started it ends: Linux's parent-death signal, so none outlives rank 0)."""
 
     def __init__(self, lm: LoadedModel, tensor_parallel: int, num_blocks: int, block_size: int,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
@@ -766,11 +776,12 @@ def serve(rdv: Rendezvous) -> None:
     else:
         torch.cuda.set_device(device)
     lm = load_model(setup.model_name, device, setup.dtype)
-    layout = shard_layout(lm.config, rdv.world_size, repr(setup.model_name))
+    config = lm.config
+    layout = shard_layout(config, rdv.world_size, repr(setup.model_name))
     fingerprint = weights_fingerprint(lm.model)
     shard = ShardedForward(lm.model, layout, rdv.rank, lm_head=False)
-    kv = allocate_kv_pool(lm.config, layout, setup.num_blocks, setup.block_size, lm.dtype, device)
-    del lm  # only the shard (and the shared embedding and norms) stays
+    del lm  # only the shard (and the shared embedding and norms) stays, before the pool
+    kv = allocate_kv_pool(config, layout, setup.num_blocks, setup.block_size, setup.dtype, device)
     report_ready(rdv)
     control = join_groups(rdv, device, setup.step_timeout_s)
     dist.all_gather([torch.empty_like(fingerprint) for _ in range(rdv.world_size)], fingerprint,
