@@ -45,10 +45,11 @@ alive before each step and, when a step fails, which one died and how. A rank th
 hangs ends the run with :class:`RankFailure` naming it, never a silent hang; the other ranks are
 shut down. Workers ignore SIGINT: Ctrl-C in a terminal reaches every process of the group, and
 only rank 0 knows whether the step it interrupted can be finished, so rank 0 ends them (a
-half-done step leaves the ranks out of step, so an interrupted forward cannot be reused). A worker
-whose rank 0 disappears sees its connection close and exits. On NCCL a hung collective is
-ended by NCCL's own watchdog at the data group's timeout (it aborts the process), since CUDA
-collectives do not block the host.
+half-done step leaves the ranks out of step, so an interrupted forward cannot be reused). No
+worker outlives rank 0: a spawned one gets SIGKILL when rank 0's process ends (Linux's
+parent-death signal), a torchrun one sees its connection close and fails. On NCCL a hung
+collective is ended by NCCL's own watchdog at the data group's timeout (it aborts the process),
+since CUDA collectives do not block the host.
 """
 
 from __future__ import annotations
