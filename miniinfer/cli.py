@@ -107,6 +107,23 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any],
     return Interrupted(kept)
 
 
+def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
+    """``--tensor-parallel N`` as an engine option, for the engines built on the model runner
+    (chapter 08 on); checked before any model loads."""
+    from .engines import resolve_engine
+    from .engines.continuous import ContinuousEngine
+
+    n = getattr(args, "tensor_parallel", None)
+    if n is None:
+        return {}
+    if n < 1:
+        raise InvalidRequestError(f"--tensor-parallel must be >= 1, got {n}")
+    if not issubclass(resolve_engine(engine)[0], ContinuousEngine):
+        raise InvalidRequestError(f"--tensor-parallel {n}: engine {engine!r} does not run on the "
+                                  f"model runner; use continuous, prefix-cache or tensor-parallel")
+    return {"tensor_parallel": n}
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from .core.models import load_model
     from .core.sampling import SamplingParams
@@ -114,6 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     # Cheap checks first: a typo should not cost a model load.
     resolve_engine(args.engine)
+    options = _runner_options(args, args.engine)
     _check_model(args)
     texts = _read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -123,7 +141,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     tok = lm.tokenizer
     prompts = [lm.chat_prompt([{"role": "user", "content": t}]) if args.chat else tok.encode(t)
                for t in texts]
-    result = make_engine(args.engine, lm).generate(prompts, params)
+    engine = make_engine(args.engine, lm, **options)
+    try:
+        result = engine.generate(prompts, params)
+    finally:
+        if hasattr(engine, "close"):
+            engine.close()
     for text, ids in zip(texts, result.token_ids, strict=True):
         out = tok.decode(ids, skip_special_tokens=True)
         if args.json:
@@ -136,10 +159,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from .bench.offline import BenchConfig, make_prompts, run_bench, summary_table
     from .core.models import load_model
     from .core.sampling import SamplingParams
-    from .engines import make_engine, resolve_engine
+    from .engines import make_engine
 
-    for name in args.engines:
-        resolve_engine(name)
+    options = {name: _runner_options(args, name) for name in args.engines}
     _check_model(args)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -154,7 +176,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
-        engines = {name: make_engine(name, lm) for name in config.engines}
+        engines = {name: make_engine(name, lm, **options[name]) for name in config.engines}
         # The prompt must fit the model's context: found now, not after the bandwidth
         # measurement.
         longest = make_prompts(lm, 1, config.prompt_len)
@@ -171,7 +193,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_bench_serving(args: argparse.Namespace) -> None:
-    from .bench.serving import ServingBenchConfig, WorkloadConfig, run_serving_bench, summary_table
+    from .bench.serving import (
+        STEPPED_SYSTEMS,
+        ServingBenchConfig,
+        WorkloadConfig,
+        run_serving_bench,
+        summary_table,
+    )
     from .bench.serving.workloads import read_dataset_texts
     from .core.models import load_model
 
@@ -187,7 +215,15 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
                                 request_rates=_csv_rates(args.request_rates),
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 static_batch_size=args.static_batch_size,
-                                warmup=not args.no_warmup, chapter=args.chapter)
+                                warmup=not args.no_warmup, chapter=args.chapter,
+                                tensor_parallel=args.tensor_parallel)
+    if args.tensor_parallel is not None:
+        stepped = [s for s in config.systems if s in STEPPED_SYSTEMS]
+        if not stepped:
+            raise InvalidRequestError(f"--tensor-parallel {args.tensor_parallel}: none of the "
+                                      f"systems runs on the model runner ({', '.join(STEPPED_SYSTEMS)})")
+        for system in stepped:
+            _runner_options(args, system)
     if args.dataset:
         read_dataset_texts(args.dataset)
     out = None
@@ -298,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--model", default=model, required=model is None)
         p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 or auto (default)")
         p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: the model's)")
+        p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                       help="split the model over N processes (chapter 12; runner engines only)")
 
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--engine", default="naive")
@@ -409,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if (getattr(args, "tensor_parallel", None) or 1) > 1:
+        from .runner.tensor_parallel import run_worker, torchrun_rank
+
+        if torchrun_rank() not in (None, 0):  # torchrun started this process as a worker rank
+            run_worker()
+            return 0
     try:
         args.func(args)
     except MiniInferError as exc:
@@ -419,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("miniinfer: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except RuntimeError as exc:
+        from .runner.tensor_parallel import RankFailure
+
+        if not isinstance(exc, RankFailure):
+            raise
+        print(f"miniinfer: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
     return 0
 
 

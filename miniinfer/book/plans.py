@@ -157,6 +157,18 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
                    estimate_s=2 * load_s + 2 * rounds * (one.estimate_s - load_s))
 
 
+def chapter12_plan(device: torch.device) -> ChapterPlan:
+    """The all-reduce table (a few seconds a world size) and a short benchmark in which the
+    tensor-parallel engine's N processes share this machine's cores (counted N times)."""
+    model, base = default_workload(device)
+    config = replace(base, engines=CHAPTERS["12"].engines, new_tokens=16, repeat=3)
+    seconds = bench_seconds(config, device) + 2 * bench_seconds(
+        replace(config, engines=("tensor-parallel",)), device) + 60
+    return replace(bench_plan(model, device, config), estimate_s=seconds,
+                   tokens=f"prompt {config.prompt_len} + {config.new_tokens} new; "
+                          f"gloo all-reduces, N = 2 and 3")
+
+
 def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,
                  main: str) -> ChapterPlan:
     """A serving chapter's plan: every experiment's runs; ``main`` names the one described."""
@@ -194,6 +206,7 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "prefix": lambda chapter, device: serving_plan(*prefix_cache_experiments(device), device,
                                                    "shared-prefix"),
     "server": lambda chapter, device: chapter10_plan(device),
+    "parallel": lambda chapter, device: chapter12_plan(device),
 }
 
 

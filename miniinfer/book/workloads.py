@@ -138,3 +138,8 @@ def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, Servi
             replace(shared, num_requests=16 * scale, output_len=(32, 64), shared_prefix_len=n),
             pair, chapter="09", **options)
     return default_model(device), experiments
+
+
+# Chapter 12's split of SmolLM2: its 3 KV heads allow 3 ranks (and 9 query heads, 1536 MLP
+# channels divide by 3).
+TENSOR_PARALLEL = 3

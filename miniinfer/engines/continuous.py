@@ -76,8 +76,9 @@ def sample_next_tokens(logits: torch.Tensor, requests: list[Request]) -> list[in
 class ContinuousEngine(Engine):
     """The scheduler decides, the runner runs (:class:`~miniinfer.runner.ModelRunner`: the
     weights, the KV pool and the forward), this engine loops. ``forward`` picks the runner's
-    forward (``"auto"``, ``"direct"``, ``"registry"``); ``runner`` passes one built elsewhere
-    (anything with ``kv_cache``, ``execute`` and ``paged_attention``)."""
+    forward (``"auto"``, ``"direct"``, ``"registry"``), ``tensor_parallel`` how many processes
+    share it (chapter 12); ``runner`` passes one built elsewhere (anything with ``kv_cache``,
+    ``execute``, ``paged_attention`` and ``close``)."""
 
     name = "continuous"
     summary = "continuous batching: token-budget scheduler, chunked prefill, preemption"
@@ -87,12 +88,13 @@ class ContinuousEngine(Engine):
                  max_num_seqs: int = 256, chunked_prefill: bool = True,
                  attention_backend: str | None = None, forward: str = "auto",
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, runner: ModelRunner | None = None) -> None:
+                 kv_cache_bytes: int | None = None, tensor_parallel: int = 1,
+                 runner: ModelRunner | None = None) -> None:
         super().__init__(lm)
         # A runner passed in is used as it is (its pool, its forward); else one is built here.
         self.runner = runner or ModelRunner(
             lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes), forward=forward,
-            attention_backend=attention_backend)
+            attention_backend=attention_backend, tensor_parallel=tensor_parallel)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill),
             self.kv_cache.block_manager)
@@ -182,6 +184,10 @@ class ContinuousEngine(Engine):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Let go of what the runner started (a tensor-parallel runner's worker processes)."""
+        self.runner.close()
 
     # -- the shared Engine interface --------------------------------------------------------
 

@@ -83,7 +83,8 @@ class ModelRunner:
     (``direct`` wherever it applies, else ``registry``)."""
 
     def __init__(self, lm: LoadedModel, kv_config: KVCacheConfig | None = None, *,
-                 forward: str = "auto", attention_backend: str | None = None) -> None:
+                 forward: str = "auto", attention_backend: str | None = None,
+                 tensor_parallel: int = 1) -> None:
         if has_sliding_window(lm.config):
             # Our kernels attend to the whole context; a windowed layer would silently read
             # tokens it must not see once a sequence outgrows the window.
@@ -108,12 +109,31 @@ class ModelRunner:
             BACKENDS[name] for name in available_backends(self.device, block_size)
             if BACKENDS[name].varlen)
         self.forward_name = forward
-        self.forward: ForwardFn = FORWARDS[forward](self)
+        self.tensor_parallel = tensor_parallel
+        if tensor_parallel > 1:
+            # Chapter 12: the layers split over N processes (this one is rank 0). Each rank's
+            # pool holds its own heads; this runner's pool then only lends its block tables.
+            from .tensor_parallel import TensorParallelForward
+
+            if forward != "direct":
+                raise MiniInferError(f"tensor_parallel={tensor_parallel} shards the direct "
+                                     f"forward; forward {forward!r} cannot be sharded")
+            self.forward_name = f"direct, tensor-parallel {tensor_parallel}"
+            self.forward = TensorParallelForward(lm, tensor_parallel, self.kv_cache.num_blocks,
+                                                 block_size)
+        else:
+            self.forward: ForwardFn = FORWARDS[forward](self)
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
         if "triton" in (self.backend.name, self.prefill_backend.name) and \
                 self.device.type == "cuda":
             # Every tile size compiled now: a JIT compile (1-3 s) must not land in a timed run.
             triton_attention.warm_up(*self.layer_kv[0], lm.config.num_attention_heads, lm.dtype)
+
+    def close(self) -> None:
+        """End what the forward started (a tensor-parallel forward's worker processes)."""
+        close = getattr(self.forward, "close", None)
+        if close is not None:
+            close()
 
     def paged_attention(self) -> AbstractContextManager[None]:
         """While active, HF's modules find our paged attention by name (the ``registry``

@@ -42,6 +42,7 @@ class ServingBenchConfig:
     kv_cache_bytes: int | None = None  # our engine's pool and hf-cb's; None: the default pool
     warmup: bool = True
     chapter: str = "08"
+    tensor_parallel: int | None = None  # the stepped systems' runners (None: their default)
 
     def __post_init__(self) -> None:
         if not self.systems or not self.max_num_batched_tokens:
@@ -117,7 +118,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     small = config.workload.turns if config.workload.kind == "multi-turn" else 4
     warmup = [replace(w, max_new_tokens=4, arrival_s=0.0) for w in make_workload(
         lm, replace(config.workload, num_requests=small, request_rate=math.inf))]
-    systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size)
+    systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size, config.tensor_parallel)
     runs, requests, steps = [], [], []
     # Every system serves from a worker thread, because transformers' continuous batching
     # always runs its loop in one: on our CPU machine PyTorch's matrix multiplies run
@@ -127,6 +128,9 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
                             else None),
           ThreadPoolExecutor(max_workers=1) as executor):
         worker = _Worker(executor)
+        # The last engine is let go in the worker thread that built it (a tensor-parallel
+        # runner's processes are tied to that thread).
+        executor_close = executor.submit
         for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
                                          leave=False):
             if config.warmup:
@@ -140,6 +144,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
             requests.append(request_table(run, workloads[rate]).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))
+        executor_close(systems.close).result()
     return _results(config, meta, runs, requests, steps)
 
 

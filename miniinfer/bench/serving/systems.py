@@ -35,7 +35,8 @@ STATIC_PREFIX = "static-"
 # several times slower, so it gets its own default (and the same KV memory as ours).
 HF_CB_BLOCK_SIZE = 256
 # Our engines that serve request by request (``add_request``/``step``), with a token budget.
-STEPPED_SYSTEMS = ("continuous", "prefix-cache")
+# Systems stepped by our scheduler: every stage built on chapter 08's engine.
+STEPPED_SYSTEMS = tuple(name for name, cls in ENGINES.items() if issubclass(cls, ContinuousEngine))
 
 
 @dataclass(slots=True)
@@ -194,19 +195,29 @@ class Systems:
     it) is kept while the next runs use the same system and budget, then let go."""
 
     def __init__(self, lm: LoadedModel, kv_cache_bytes: int | None = None,
-                 static_batch_size: int = 8) -> None:
+                 static_batch_size: int = 8, tensor_parallel: int | None = None) -> None:
         self.lm = lm
         self.kv_cache_bytes = kv_cache_bytes or default_pool_bytes(lm)
         self.static_batch_size = static_batch_size
+        # None: each stepped system's own default (1, or the tensor-parallel stage's 2).
+        self.runner_options = {} if tensor_parallel is None else \
+            {"tensor_parallel": tensor_parallel}
         self.current: tuple[tuple[str, int], Engine] | None = None
+
+    def close(self) -> None:
+        """Let go of the current engine (and what its runner started)."""
+        if self.current is not None and hasattr(self.current[1], "close"):
+            self.current[1].close()
+        self.current = None
 
     def serve(self, system: str, budget: int, workload: list[WorkloadRequest]) -> ServingRun:
         if system == "hf-cb":
             return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
         if self.current is None or self.current[0] != (system, budget):
-            self.current = None  # the old pool goes before the new one is allocated
+            self.close()  # the old pool goes before the new one is allocated
             engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
-                                 kv_cache_bytes=self.kv_cache_bytes) if system in STEPPED_SYSTEMS \
+                                 kv_cache_bytes=self.kv_cache_bytes, **self.runner_options) \
+                if system in STEPPED_SYSTEMS \
                 else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
             self.current = ((system, budget), engine)
         engine = self.current[1]
