@@ -125,7 +125,7 @@ def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .core.models import load_model
+    from .core.models import chat_text, load_model
     from .core.sampling import SamplingParams
     from .engines import make_engine, resolve_engine
 
@@ -139,7 +139,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             ignore_eos=args.ignore_eos)
     lm = load_model(args.model, device=args.device, dtype=args.dtype)
     tok = lm.tokenizer
-    prompts = [lm.chat_prompt([{"role": "user", "content": t}]) if args.chat else tok.encode(t)
+    prompts = [tok.encode(chat_text(tok, [{"role": "user", "content": t}]) if args.chat else t)
                for t in texts]
     engine = make_engine(args.engine, lm, **options)
     try:
@@ -262,12 +262,16 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     from .server import ServerConfig, run_server
 
+    _runner_options(args, args.engine)
     run_server(ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
                             max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             kv_cache_bytes=args.kv_cache_bytes,
                             arrival_window_ms=args.arrival_window_ms, device=args.device,
-                            dtype=args.dtype))
+                            dtype=args.dtype, strict_fields=args.strict_fields,
+                            tensor_parallel=args.tensor_parallel,
+                            **({} if args.max_request_bytes is None else
+                               {"max_request_bytes": args.max_request_bytes})))
 
 
 def cmd_chapters(args: argparse.Namespace) -> None:
@@ -416,6 +420,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="an idle engine waits until no request has come for this long "
                             "(at most 10x) before its first step, so a burst starts together "
                             "(0: step at once)")
+    serve.add_argument("--strict-fields", action="store_true",
+                       help="refuse (HTTP 400) a request field the server does not know; "
+                            "default: accept it and log its name once, as vLLM does")
+    serve.add_argument("--max-request-bytes", type=int, default=None,
+                       help="larger request bodies get HTTP 413 before they are read "
+                            "(default 2 MiB)")
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)

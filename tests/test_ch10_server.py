@@ -9,59 +9,27 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import openai
 import pandas as pd
 import pytest
 from conftest import TEXTS
+from server_helpers import RunningServer, running_server, wait_for
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
 from miniinfer.bench.serving import WorkloadConfig, make_workload, serve_continuous
 from miniinfer.bench.serving.http import serve_http
 from miniinfer.cli import main
 from miniinfer.engines import continuous
-from miniinfer.server import Server, ServerConfig, ServerProcess, build_server
+from miniinfer.server import ServerProcess
 from miniinfer.server.engine_loop import EngineLoop, RequestHandle
 
 MAX_TOKENS = 12
-
-
-@dataclass
-class RunningServer:
-    server: Server
-    base_url: str
-
-    def client(self) -> openai.OpenAI:
-        # No retries: a 429 or a 500 must reach the test as it is.
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.base_url.removesuffix("/v1") + "/metrics").text
-        return {name: float(value) for name, value in
-                re.findall(r"^(miniinfer_\S+) (\S+)$", text, flags=re.MULTILINE)}
-
-
-@contextmanager
-def running_server(lm, **options) -> Iterator[RunningServer]:
-    server, sock = build_server(ServerConfig(model=lm.name, port=0, **options), lm=lm)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    host, port = sock.getsockname()[:2]
-    try:
-        yield RunningServer(server, f"http://{host}:{port}/v1")
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +56,8 @@ def finish_reason(ids: list[int], tiny) -> str:
 
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list()] == ["tiny"]
-    assert httpx.get(server.base_url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.content == b""  # vLLM's: 200, no body
 
 
 def test_greedy_completions_equal_offline_generate(server, tiny, offline):
@@ -198,29 +167,23 @@ def test_http_benchmark_client_gets_the_in_process_tokens(server, tiny):
         assert t.arrival <= t.first_scheduled <= t.first_token <= t.finish
 
 
-def _wait_for(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
+ABORTED = 'vllm:request_success_total{finished_reason="abort"}'
+BLOCKS_IN_USE = "miniinfer:kv_blocks_in_use"
 
 
 def test_disconnect_mid_stream_aborts_and_frees_the_blocks(server, tiny):
-    before = server.metrics().get('miniinfer_requests_total{finish_reason="abort"}', 0.0)
+    before = server.metrics().get(ABORTED, 0.0)
     body = {"model": "tiny", "prompt": TEXTS[0], "max_tokens": 400, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert server.metrics()["miniinfer_kv_blocks_in_use"] > 0
+        assert server.metrics()[BLOCKS_IN_USE] > 0
     # The connection is closed after 1 of 400 tokens.
-    assert _wait_for(lambda: server.metrics().get(
-        'miniinfer_requests_total{finish_reason="abort"}', 0.0) == before + 1)
+    assert wait_for(lambda: server.metrics().get(ABORTED, 0.0) == before + 1)
     metrics = server.metrics()
-    assert metrics["miniinfer_kv_blocks_in_use"] == 0
-    assert metrics["miniinfer_num_requests_running"] == 0
+    assert metrics[BLOCKS_IN_USE] == 0 and metrics["vllm:kv_cache_usage_perc"] == 0
+    assert metrics["vllm:num_requests_running"] == 0
 
 
 def test_a_non_streamed_client_that_hangs_up_is_aborted(tiny):
@@ -229,14 +192,13 @@ def test_a_non_streamed_client_that_hangs_up_is_aborted(tiny):
         engine = own.server.engine_loop.engine
         gate, step = threading.Event(), engine.step
         engine.step = lambda: gate.wait() and step()  # the answer cannot finish before we go
-        aborted = 'miniinfer_requests_total{finish_reason="abort"}'
         body = {"model": "tiny", "prompt": TEXTS[0], "max_tokens": 50, "temperature": 0,
                 "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(own.base_url + "/completions", json=body, timeout=0.5)
         gate.set()
-        assert _wait_for(lambda: own.metrics().get(aborted, 0.0) == 1)
-        assert _wait_for(lambda: own.metrics()["miniinfer_kv_blocks_in_use"] == 0)
+        assert wait_for(lambda: own.metrics().get(ABORTED, 0.0) == 1)
+        assert wait_for(lambda: own.metrics()[BLOCKS_IN_USE] == 0)
 
 
 def test_metrics_count_requests_and_tokens(server):
@@ -244,15 +206,21 @@ def test_metrics_count_requests_and_tokens(server):
     out = server.client().completions.create(model="tiny", prompt=TEXTS[1], max_tokens=5,
                                              temperature=0, extra_body={"ignore_eos": True})
     after = server.metrics()
-    assert after['miniinfer_requests_total{finish_reason="length"}'] == \
-        before.get('miniinfer_requests_total{finish_reason="length"}', 0) + 1
-    assert after["miniinfer_generation_tokens_total"] - before["miniinfer_generation_tokens_total"] \
+    length = 'vllm:request_success_total{finished_reason="length"}'
+    assert after[length] == before.get(length, 0) + 1
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] \
         == out.usage.completion_tokens == 5
-    assert after["miniinfer_prompt_tokens_total"] - before["miniinfer_prompt_tokens_total"] == \
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == \
         out.usage.prompt_tokens
-    assert after["miniinfer_time_to_first_token_seconds_count"] == \
-        before["miniinfer_time_to_first_token_seconds_count"] + 1
-    assert after["miniinfer_prefix_cache_hit_rate"] == 0  # continuous has no prefix cache
+    assert after["vllm:time_to_first_token_seconds_count"] == \
+        before["vllm:time_to_first_token_seconds_count"] + 1
+    # Four gaps between five tokens.
+    assert after["vllm:inter_token_latency_seconds_count"] == \
+        before["vllm:inter_token_latency_seconds_count"] + 4
+    # continuous has no prefix cache: every prompt token is looked up, none is found.
+    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] \
+        == out.usage.prompt_tokens
+    assert after["vllm:prefix_cache_hits_total"] == 0
 
 
 ERROR_CASES = [  # (body or raw bytes, status, words the message must hold, param)
@@ -260,20 +228,38 @@ ERROR_CASES = [  # (body or raw bytes, status, words the message must hold, para
     (b"[1, 2]", 400, "JSON object", None),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist", "model"),
     ({"prompt": "hi"}, 400, "model is required", "model"),
-    ({"model": "tiny", "prompt": "hi", "n": 2}, 400, "n=2 is not supported", "n"),
-    ({"model": "tiny", "prompt": "hi", "logprobs": 3}, 400, "logprobs=3 is not supported",
+    ({"model": "tiny"}, 400, "prompt is required", "prompt"),
+    ({"model": "tiny", "prompt": "hi", "n": 0}, 400, "greater than or equal to 1", "n"),
+    ({"model": "tiny", "prompt": "hi", "n": 3, "best_of": 2}, 400, "at least n", "best_of"),
+    ({"model": "tiny", "prompt": "hi", "best_of": 2, "stream": True}, 400, "cannot be streamed",
+     "best_of"),
+    ({"model": "tiny", "prompt": "hi", "logprobs": 21}, 400, "less than or equal to 20",
      "logprobs"),
-    ({"model": "tiny", "prompt": "hi", "best_of": 2}, 400, "not supported", "best_of"),
-    ({"model": "tiny", "prompt": "hi", "frequency_penalty": 0.5}, 400, "not supported",
+    ({"model": "tiny", "prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo with logprobs",
+     "echo"),
+    ({"model": "tiny", "prompt": "hi", "frequency_penalty": 2.5}, 400, "less than or equal",
      "frequency_penalty"),
+    ({"model": "tiny", "prompt": "hi", "repetition_penalty": 0}, 400, "greater than 0",
+     "repetition_penalty"),
+    ({"model": "tiny", "prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     "no structured output", "response_format"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "token ids", "logit_bias"),
+    ({"model": "tiny", "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "[0, 49152)",
+     "logit_bias"),
+    ({"model": "tiny", "prompt": "hi", "stop_token_ids": [49152]}, 400, "[0, 49152)",
+     "stop_token_ids"),
+    ({"model": "tiny", "prompt": "hi", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens",
+     "min_tokens"),
+    ({"model": "tiny", "prompt": "hi", "suffix": "x"}, 400, "suffix", "suffix"),
     ({"model": "tiny", "prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
-    ({"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", "max_tokens"),
-    ({"model": "tiny", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "stop"),
-    ({"model": "tiny", "prompt": "hi", "colour": "red"}, 400, "unrecognized", "colour"),
-    ({"model": "tiny", "prompt": ""}, 400, "empty", "prompt"),
-    ({"model": "tiny", "prompt": ["a", "b"]}, 400, "several prompts", "prompt"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "valid integer", "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 8.0}, 400, "valid integer", "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "stream": 1}, 400, "valid boolean", "stream"),
+    ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "at least 1 character", "stop.0"),
+    ({"model": "tiny", "prompt": ""}, 400, "at least 1 character", "prompt"),
+    ({"model": "tiny", "prompt": ["a", 1]}, 400, "valid string", "prompt.1"),
     ({"model": "tiny", "prompt": [1, 10**9]}, 400, "outside", "prompt"),
     ({"model": "tiny", "prompt": "word " * 600}, 400, "context", "prompt"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 100000}, 400, "context", "prompt"),
@@ -287,30 +273,40 @@ def test_errors_in_openai_shape(server, body, status, words, param):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(server.base_url + "/completions", content=content,
                           headers={"content-type": "application/json"})
-    assert response.status_code == status
+    assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert words in error["message"] and error["param"] == param
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"model": "tiny", "messages": []}, "messages must be a non-empty list"),
-    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "role"),
+@pytest.mark.parametrize("body,words,param", [
+    ({"model": "tiny", "messages": []}, "at least 1 item", "messages"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, "'user'",
+     "messages.0.role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "'text'", "messages.0.content.0.type"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{}]},
-     "tools"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 600}]}, "context"),
+     "tools", "tools"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "logprobs=true", "top_logprobs"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "x " * 600}]}, "context",
+     "messages"),
 ])
-def test_chat_errors(server, body, words):
+def test_chat_errors(server, body, words, param):
     response = httpx.post(server.base_url + "/chat/completions", json=body)
-    assert response.status_code == 400 and words in response.json()["error"]["message"]
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and error["param"] == param
 
 
 def test_the_official_client_raises_its_own_errors(server):
     client = server.client()
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-4", prompt="hi")
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.completions.create(model="tiny", prompt="hi", n=3)
+    with pytest.raises(openai.BadRequestError, match="no structured output"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user",
+                                                                "content": "hi"}],
+                                       response_format={"type": "json_object"})
 
 
 def test_full_waiting_queue_answers_429(tiny):
@@ -324,7 +320,7 @@ def test_full_waiting_queue_answers_429(tiny):
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(client.completions.create, model="tiny", prompt="hi",
                                 max_tokens=2)
-            assert _wait_for(lambda: engine_loop.num_waiting == 1)
+            assert wait_for(lambda: engine_loop.num_waiting == 1)
             with pytest.raises(openai.RateLimitError, match="1 requests are waiting"):
                 client.completions.create(model="tiny", prompt="hi", max_tokens=2)
             gate.set()
@@ -332,18 +328,19 @@ def test_full_waiting_queue_answers_429(tiny):
 
 
 def test_an_exception_in_one_request_fails_it_alone(server, tiny, offline, monkeypatch):
-    real_sample = continuous.sample
+    real_sample_batch = continuous.sample_batch
 
-    def sample_failing_for_seed_666(logits, params, generator):
-        if params.seed == 666:
+    def sample_failing_for_seed_666(logits, requests, eos_token_id):
+        if any(r.params.seed == 666 for r in requests):
             raise RuntimeError("planted fault")
-        return real_sample(logits, params, generator)
+        return real_sample_batch(logits, requests, eos_token_id)
 
-    monkeypatch.setattr(continuous, "sample", sample_failing_for_seed_666)
+    monkeypatch.setattr(continuous, "sample_batch", sample_failing_for_seed_666)
     client = server.client()
     prompt = tiny.tokenizer.encode(TEXTS[5])
     expected, _ = offline(prompt, 40)
-    errors_before = server.metrics().get('miniinfer_requests_total{finish_reason="error"}', 0)
+    failed = 'vllm:request_success_total{finished_reason="error"}'
+    errors_before = server.metrics().get(failed, 0)
     stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40,
                                        temperature=0, stream=True)
     first = next(stream).choices[0].text  # the healthy request runs
@@ -351,8 +348,7 @@ def test_an_exception_in_one_request_fails_it_alone(server, tiny, offline, monke
         client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=4,
                                   temperature=1.0, seed=666)
     assert first + "".join(c.choices[0].text for c in stream) == expected
-    assert server.metrics()['miniinfer_requests_total{finish_reason="error"}'] == \
-        errors_before + 1
+    assert server.metrics()[failed] == errors_before + 1
     # and the loop serves on
     assert client.completions.create(model="tiny", prompt=TEXTS[0], max_tokens=3,
                                      temperature=0).choices[0].finish_reason in ("stop", "length")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
-from miniinfer.core.sampling import filter_logits, make_generator, sample
+from miniinfer.core.sampling import filter_logits, make_generator, sample, sample_batch
+from miniinfer.core.scheduler import Request, RequestTimeline
 
 
 @pytest.mark.parametrize(
@@ -140,3 +141,198 @@ def test_hf_engine_seeded_sampling_repeats(tiny):
     other = SamplingParams(max_new_tokens=8, temperature=1.0, seed=6, ignore_eos=True)
     torch.manual_seed(1)
     assert engine.generate([[20, 21], [30]], other).token_ids != runs[0]
+
+
+# -- the batched sampler of the continuous engines: vLLM's extras -----------------------------
+
+EOS = 6  # stands for the EOS id in the 8-token distributions below
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": float("nan")}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"logit_bias": ((5, 101.0),)}, "logit_bias must be a tuple"),
+        ({"logit_bias": {5: 1.0}}, "logit_bias must be a tuple"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids must be a tuple of token ids"),
+        ({"min_tokens": 40}, r"min_tokens must be an integer in \[0, max_new_tokens=32\]"),
+        ({"logprobs": 21}, r"logprobs must be None or an integer in \[0, 20\]"),
+        ({"logprobs": True}, "logprobs must be None"),
+    ],
+)
+def test_bad_extras_raise_value_error(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_static_engines_refuse_the_extras_they_do_not_apply(tiny):
+    with pytest.raises(InvalidRequestError, match="min_p.*continuous engines"):
+        make_engine("naive", tiny).generate([[1, 2]], SamplingParams(min_p=0.1))
+
+
+@pytest.fixture(scope="module")
+def tiny_logits(tiny) -> torch.Tensor:
+    """The tiny model's next-token logits after a prompt, over its 8 most likely tokens: a
+    real, uneven distribution small enough to count every token's frequency."""
+    ids = torch.tensor([tiny.tokenizer.encode("The capital of France is")])
+    with torch.inference_mode():
+        logits = tiny.model(input_ids=ids).logits[0, -1].float()
+    return logits.topk(8).values
+
+
+def _requests(params: SamplingParams, count: int, prompt: list[int] = (0,),
+              output: list[int] = ()) -> list[Request]:
+    return [Request(i, list(prompt), params, RequestTimeline(0.0),
+                    generator=make_generator(params, torch.device("cpu")),
+                    output_ids=list(output)) for i in range(count)]
+
+
+def _draw(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    torch.manual_seed(0)  # the unseeded rows share the global generator's draw
+    return torch.tensor(sample_batch(logits.expand(len(requests), -1), requests,
+                                     EOS).token_ids)
+
+
+T = 0.1  # sharpens the tiny model's close logits into a distribution worth testing
+
+
+def test_min_p_keeps_tokens_above_min_p_times_the_top(tiny_logits):
+    probs = (tiny_logits / T).softmax(-1)
+    min_p = 0.13
+    kept = probs >= min_p * probs.max()
+    assert 1 < kept.sum() < 8, "min_p must cut some tokens and keep several"
+    expected = torch.where(kept, probs, 0) / probs[kept].sum()
+    picks = _draw(tiny_logits, _requests(SamplingParams(temperature=T, min_p=min_p), DRAWS))
+    assert_frequencies_match(picks, expected)
+
+
+def test_repetition_penalty_on_prompt_and_output_tokens(tiny_logits):
+    penalty, seen = 1.5, [0, 3, 5]  # 0 and 3 in the prompt, 5 in the output
+    by_hand = tiny_logits.clone()
+    for t in seen:
+        by_hand[t] = by_hand[t] / penalty if by_hand[t] > 0 else by_hand[t] * penalty
+    requests = _requests(SamplingParams(temperature=T, repetition_penalty=penalty), DRAWS,
+                         prompt=[0, 3, 3], output=[5])
+    assert_frequencies_match(_draw(tiny_logits, requests), (by_hand / T).softmax(-1))
+
+
+def test_frequency_and_presence_penalties_count_the_output(tiny_logits):
+    output = [0, 0, 0, 1]
+    counts = torch.bincount(torch.tensor(output), minlength=8).float()
+    by_hand = tiny_logits - 0.05 * counts - 0.08 * (counts > 0)
+    params = SamplingParams(temperature=T, frequency_penalty=0.05, presence_penalty=0.08)
+    # The prompt holds token 0 too: frequency and presence penalties ignore the prompt.
+    requests = _requests(params, DRAWS, prompt=[0, 2], output=output)
+    assert_frequencies_match(_draw(tiny_logits, requests), (by_hand / T).softmax(-1))
+
+
+def test_logit_bias_adds_to_the_logits(tiny_logits):
+    bias = ((2, 0.3), (0, -0.2), (7, 0.25))
+    by_hand = tiny_logits.clone()
+    for token, value in bias:
+        by_hand[token] += value
+    requests = _requests(SamplingParams(temperature=T, logit_bias=bias), DRAWS)
+    assert_frequencies_match(_draw(tiny_logits, requests), (by_hand / T).softmax(-1))
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached(tiny_logits):
+    params = SamplingParams(temperature=T, min_tokens=3, stop_token_ids=(1,))
+    probs = (tiny_logits / T).softmax(-1)
+    masked = probs.clone()
+    masked[[1, EOS]] = 0
+    early = _requests(params, DRAWS, output=[4])
+    assert_frequencies_match(_draw(tiny_logits, early), masked / masked.sum())
+    late = _requests(params, DRAWS, output=[4, 4, 4])
+    assert_frequencies_match(_draw(tiny_logits, late), probs)
+    ignoring = _requests(SamplingParams(temperature=T, min_tokens=3, ignore_eos=True), DRAWS)
+    unmasked = _draw(tiny_logits, ignoring)  # ignore_eos: EOS is an ordinary token
+    assert_frequencies_match(unmasked, probs)
+
+
+def test_one_batch_of_rows_with_different_parameters(tiny_logits):
+    """The sampler's one pass serves rows that each have their own temperature, top-k, top-p,
+    min-p and penalties: each group of rows follows its own distribution."""
+    groups = [SamplingParams(temperature=0.05, top_k=3),
+              SamplingParams(temperature=0.2, top_p=0.6),
+              SamplingParams(temperature=T, min_p=0.5, frequency_penalty=0.1),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+    size = DRAWS // 2
+    requests = [r for p in groups for r in _requests(p, size, output=[0, 0])]
+    picks = _draw(tiny_logits, requests).view(len(groups), size)
+
+    def alone(p: SamplingParams) -> torch.Tensor:
+        return _draw(tiny_logits, _requests(p, size, output=[0, 0]))
+
+    for row, params in enumerate(groups):
+        if params.greedy:
+            assert (picks[row] == alone(params)).all()
+            continue
+        counts = torch.bincount(alone(params), minlength=8).double() / size
+        assert_frequencies_match(picks[row], counts.float())
+
+
+def test_top_k_and_top_p_by_hand_in_one_batch(tiny_logits):
+    probs_k = (tiny_logits / T).softmax(-1)
+    expected_k = torch.cat([probs_k[:3] / probs_k[:3].sum(), torch.zeros(5)])
+    probs_p = (tiny_logits / T).softmax(-1)
+    before = probs_p.cumsum(-1) - probs_p  # the logits are sorted, most likely first
+    kept = before < 0.7
+    expected_p = torch.where(kept, probs_p, 0) / probs_p[kept].sum()
+    requests = (_requests(SamplingParams(temperature=T, top_k=3), DRAWS)
+                + _requests(SamplingParams(temperature=T, top_p=0.7), DRAWS))
+    picks = _draw(tiny_logits, requests)
+    assert_frequencies_match(picks[:DRAWS], expected_k)
+    assert_frequencies_match(picks[DRAWS:], expected_p)
+
+
+def test_a_seeded_row_draws_what_the_single_request_sampler_drew():
+    """Seeded rows draw from their own generators, so a seed gives the same token alone, in
+    any batch, and as the static stages' ``sample`` draws it."""
+    torch.manual_seed(1)
+    logits = torch.randn(5, 300)
+    params = [SamplingParams(temperature=0.8, seed=s, top_k=k, top_p=p)
+              for s, k, p in [(1, 0, 1.0), (2, 20, 1.0), (3, 0, 0.9), (4, 50, 0.5), (5, 0, 1.0)]]
+    requests = [r for p in params for r in _requests(p, 1)]
+    batched = sample_batch(logits, requests, EOS).token_ids
+    alone = [int(sample(logits[i: i + 1], p, make_generator(p, torch.device("cpu")))[0])
+             for i, p in enumerate(params)]
+    assert batched == alone
+    # Again with a greedy row and unseeded rows around them: the seeded rows do not move.
+    mixed = [*_requests(SamplingParams(), 1), *_requests(SamplingParams(temperature=1.0), 1)]
+    again = [r for p in params for r in _requests(p, 1)]
+    tokens = sample_batch(torch.cat([logits[:1], logits[:1], logits]), mixed + again,
+                          EOS).token_ids
+    assert tokens[2:] == alone and tokens[0] == int(logits[0].argmax())
+
+
+def test_logprobs_equal_log_softmax_of_hf_logits(tiny):
+    """The engine's logprobs for greedy and sampled requests against HF's forward on the same
+    tokens: the sampled token's, and the top 5 (ids and values)."""
+    engine = make_engine("continuous", tiny)
+    prompt = tiny.tokenizer.encode("Once upon a time, in a small village")
+    runs = {"greedy": SamplingParams(max_new_tokens=6, logprobs=5, ignore_eos=True),
+            "sampled": SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, logprobs=5,
+                                      ignore_eos=True, repetition_penalty=1.3)}
+    ids = {name: engine.add_request(prompt, params) for name, params in runs.items()}
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((r.request_id, r) for r in engine.step().outputs if r.finished)
+    for name in runs:
+        request = done[ids[name]]
+        tokens = prompt + request.output_ids
+        with torch.inference_mode():
+            logits = tiny.model(input_ids=torch.tensor([tokens[:-1]])).logits[0].float()
+        expected = logits[len(prompt) - 1:].log_softmax(-1)
+        assert len(request.output_logprobs) == 6
+        for step, entry in enumerate(request.output_logprobs):
+            assert entry.token_id == request.output_ids[step]
+            assert entry.logprob == pytest.approx(expected[step, entry.token_id].item(),
+                                                  abs=1e-4)
+            top = expected[step].topk(5)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert request.cumulative_logprob == pytest.approx(
+            sum(e.logprob for e in request.output_logprobs))

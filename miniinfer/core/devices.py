@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from .kv_cache import kv_bytes_per_block
 from .models import LoadedModel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -299,10 +300,7 @@ class DecodeFloor:
 
 
 def kv_bytes_per_token(lm: LoadedModel) -> int:
-    cfg = lm.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    itemsize = torch.empty((), dtype=lm.dtype).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
+    return kv_bytes_per_block(lm.config, lm.dtype, 1)
 
 
 def decode_floor(lm: LoadedModel, batch_size: int, context_len: int, bandwidth: float,

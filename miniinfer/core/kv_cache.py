@@ -36,6 +36,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
+    """Bytes one block of ``block_size`` tokens takes in the pool: K and V, every layer."""
+    head_dim = getattr(model_config, "head_dim", None) or \
+        model_config.hidden_size // model_config.num_attention_heads
+    return (model_config.num_hidden_layers * 2 * block_size * model_config.num_key_value_heads
+            * head_dim * dtype.itemsize)
+
+
 @dataclass(slots=True)
 class KVCacheConfig:
     """How big the block pool is: ``num_blocks`` blocks, or as many as ``kv_cache_bytes`` holds.
@@ -159,8 +167,7 @@ class PagedKVCache:
         self.head_dim = getattr(model_config, "head_dim", None) or \
             model_config.hidden_size // model_config.num_attention_heads
         block_size = self.config.block_size
-        bytes_per_block = (self.num_layers * 2 * block_size * self.kv_heads * self.head_dim
-                           * lm.dtype.itemsize)
+        bytes_per_block = kv_bytes_per_block(model_config, lm.dtype, block_size)
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, lm.max_context)
         self.block_manager = BlockManager(num_blocks, block_size)
         # Zeros, not empty: a dense gather may read a slot no token was written to yet (its

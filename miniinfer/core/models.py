@@ -32,6 +32,7 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -66,13 +67,6 @@ class LoadedModel:
     def max_context(self) -> int:
         return int(self.model.config.max_position_embeddings)
 
-    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a conversation (``{"role", "content"}`` turns) in the model's chat
-        template, ending where the assistant's reply begins."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer.encode(text)
-
     @property
     def weight_bytes(self) -> int:
         """Bytes of parameters read per decode step (tied embeddings counted once)."""
@@ -93,6 +87,7 @@ class ModelSpec:
     description: str
     default_dtype: torch.dtype
     load: Callable[[torch.device, torch.dtype], PreTrainedModel]
+    config_file: str | None = None  # in data/configs; None: the converted SmolLM2's own
     # The token that ends a reply; None: the model config's own ``eos_token_id``.
     eos_token_id: int | None = SMOLLM2_EOS_ID
 
@@ -158,9 +153,13 @@ def _load_smollm2(device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(smollm2_cache(), dtype=dtype, device_map=device)
 
 
+def _config_from_file(config_file: str) -> PretrainedConfig:
+    return AutoConfig.for_model(**json.loads((CONFIG_DIR / config_file).read_text()))
+
+
 def _random_from_config(config_file: str) -> Callable[[torch.device, torch.dtype], PreTrainedModel]:
     def load(device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
-        config = AutoConfig.for_model(**json.loads((CONFIG_DIR / config_file).read_text()))
+        config = _config_from_file(config_file)
         torch.manual_seed(RANDOM_WEIGHT_SEED)
         # Built and initialised on the target device: no 15 GB detour through CPU memory.
         with torch.device(device):
@@ -184,6 +183,7 @@ MODELS: dict[str, ModelSpec] = {
             "Qwen2.5-7B-Instruct architecture, random weights (GQA 28/4, 28 layers)",
             torch.bfloat16,
             _random_from_config("qwen2.5-7b-instruct.json"),
+            "qwen2.5-7b-instruct.json",
             eos_token_id=None,
         ),
         ModelSpec(
@@ -191,9 +191,19 @@ MODELS: dict[str, ModelSpec] = {
             "3-layer random Llama with SmolLM2's vocabulary, for tests",
             torch.float32,
             _random_from_config("tiny-llama.json"),
+            "tiny-llama.json",
         ),
     )
 }
+
+def chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],
+              add_generation_prompt: bool = True) -> str:
+    """A conversation (``{"role", "content"}`` turns) in the model's chat template, ending,
+    with ``add_generation_prompt``, where the assistant's reply begins. The one place the
+    template is applied: ``generate --chat`` and the server's chat endpoint both call it."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         tokenize=False)
+
 
 def default_model(device: torch.device) -> str:
     """The model the book runs on a device: the reference posts' architecture on a GPU, the
@@ -243,6 +253,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     if dtype not in DTYPES:
         raise UnknownNameError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def model_config(name: str) -> PretrainedConfig:
+    """A model's config without its weights, for checks that must come before a load."""
+    if name not in MODELS:
+        raise UnknownNameError(f"unknown model {name!r}; available models: {', '.join(MODELS)}")
+    spec = MODELS[name]
+    if spec.config_file is not None:
+        return _config_from_file(spec.config_file)
+    return AutoConfig.from_pretrained(smollm2_cache())
 
 
 def load_tokenizer() -> PreTrainedTokenizerBase:

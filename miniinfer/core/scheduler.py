@@ -34,7 +34,7 @@ import torch
 
 from .errors import InvalidRequestError, KVCacheFull
 from .kv_cache import BlockManager, RequestId
-from .sampling import SamplingParams
+from .sampling import PenaltyState, SamplingParams, TokenLogprobs
 
 
 class RequestStatus(Enum):
@@ -87,6 +87,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (ch. 09)
+    # The sampler's per-request state (sampling.sample_batch): one entry per output token when
+    # params.logprobs is set, their running sum (best_of ranks by it), and the penalties' counts.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    penalty_state: PenaltyState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -47,6 +47,8 @@ class Engine:
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    # Whether the stage samples with sampling.sample_batch, which applies SamplingParams.extras.
+    sampling_extras: ClassVar[bool] = False
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
@@ -89,6 +91,10 @@ class Engine:
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if not prompts:
             raise InvalidRequestError("no prompts given")
+        if params.extras and not self.sampling_extras:
+            raise InvalidRequestError(
+                f"{', '.join(params.extras)}: the {self.name} engine does not apply these; "
+                f"the continuous engines (continuous, prefix-cache) do")
         vocab = self.lm.config.vocab_size
         for i, prompt in enumerate(prompts):
             if not prompt:

@@ -42,7 +42,7 @@ from ..core.kv_cache import (
 )
 from ..core.models import LoadedModel
 from ..core.ranges import phase
-from ..core.sampling import SamplingParams, make_generator, sample
+from ..core.sampling import SamplingParams, make_generator, sample_batch
 from ..core.scheduler import FinishReason, Request, RequestTimeline, Scheduler, SchedulerConfig
 from ..runner import ModelRunner
 from .base import Engine, GenerationResult
@@ -63,14 +63,16 @@ class StepResult:
     num_blocks_cached: int  # free, but still holding a reusable prefix (chapter 09)
 
 
-def sample_next_tokens(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+def sample_next_tokens(logits: torch.Tensor, requests: list[Request],
+                       eos_token_id: int | None) -> list[int]:
     """One token per row of ``logits`` [k, V], each request with its own parameters and
-    generator: one argmax serves every greedy row, sampled rows are drawn one by one."""
-    tokens = logits.argmax(dim=-1)
-    for row, request in enumerate(requests):
-        if not request.params.greedy:
-            tokens[row] = sample(logits[row : row + 1], request.params, request.generator)[0]
-    return tokens.tolist()  # the step's one host sync
+    generator, in one batched sampler pass; logprobs, where asked for, go on the request."""
+    sampled = sample_batch(logits, requests, eos_token_id)
+    for request, logprobs in zip(requests, sampled.logprobs, strict=True):
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+            request.cumulative_logprob += logprobs.logprob
+    return sampled.token_ids
 
 
 class ContinuousEngine(Engine):
@@ -83,6 +85,7 @@ class ContinuousEngine(Engine):
     name = "continuous"
     summary = "continuous batching: token-budget scheduler, chunked prefill, preemption"
     variants = ()  # forward= is the runner's choice; no named variants
+    sampling_extras = True
 
     def __init__(self, lm: LoadedModel, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 256, chunked_prefill: bool = True,
@@ -151,7 +154,7 @@ class ContinuousEngine(Engine):
                 with torch.inference_mode(), self.runner.paged_attention():
                     logits, sampled = self.runner.execute(batch)
                     with phase("sample"):
-                        tokens = sample_next_tokens(logits, sampled)
+                        tokens = sample_next_tokens(logits, sampled, self.lm.eos_token_id)
             except BaseException:
                 # The cache may hold half a step: recompute these requests later, drop none.
                 # Newest first, so the oldest ends up first in the waiting queue.
@@ -193,6 +196,7 @@ class ContinuousEngine(Engine):
 
     def validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         super().validate(prompts, params)
+        params.check_vocab(self.lm.config.vocab_size)
         # A request must fit the pool on its own, or no preemption could ever make room for it.
         # Its last sampled token is never fed, so it needs a slot for one token fewer.
         manager = self.kv_cache.block_manager
@@ -256,12 +260,14 @@ class ContinuousEngine(Engine):
         params = request.params
         if token == self.lm.eos_token_id and not params.ignore_eos:
             return FinishReason.EOS
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
         # A stop string ends in the newest token: earlier text held none, or we had stopped. So
         # only the tail is decoded (decoding the whole output at every token is quadratic): a
         # string of n characters is at most 4n UTF-8 bytes, every token at least one byte, so
         # it lies in the last 4n + 1 tokens (a token may start mid-character); one more keeps
         # it off the window's first token, whose leading space a decoder may drop.
-        if request.stop:
+        if request.stop and len(request.output_ids) >= params.min_tokens:
             window = 4 * max(len(s) for s in request.stop) + 2
             text = self.lm.tokenizer.decode(request.output_ids[-window:])
             if any(s in text for s in request.stop):

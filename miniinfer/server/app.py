@@ -1,41 +1,76 @@
 """The HTTP side: a FastAPI app whose handlers parse, enqueue and stream, and the uvicorn server
-that runs it (``python -m miniinfer serve``)."""
+that runs it (``python -m miniinfer serve``).
+
+Endpoints: ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed or not), and what
+clients probe before they send anything, in vLLM's shapes: ``GET /health``, ``/version``,
+``/v1/models`` (with ``max_model_len``), ``/metrics`` (Prometheus), ``POST /tokenize`` and
+``/detokenize``.
+
+No request can stall the others: a body is refused with a 413 as soon as it passes
+``max_request_bytes`` (from its Content-Length, or counted as it streams in), parsing is
+pydantic-core's, and tokenising runs in worker threads in bounded pieces (:mod:`.tokens`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..core.errors import InvalidRequestError, MiniInferError
-from ..core.models import LoadedModel, load_model
+from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, blocks_for, kv_bytes_per_block
+from ..core.models import (
+    MODELS,
+    LoadedModel,
+    load_model,
+    model_config,
+    resolve_device,
+    resolve_dtype,
+)
 from ..engines import make_engine, resolve_engine
 from ..engines.continuous import ContinuousEngine
-from .engine_loop import EngineLoop, RequestHandle
+from .engine_loop import EngineLoop, RequestHandle, Update
+from .generation import (
+    Choice,
+    GenerationRequest,
+    Responder,
+    chat_request,
+    chat_turns,
+    completion_request,
+)
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
-    GenerationRequest,
-    Responder,
-    TextStream,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    UnknownFieldPolicy,
     invalid,
-    parse_json,
-    parse_request,
+    parse_body,
 )
+from .tokens import PromptTokenizer, TextStream
 
 logger = logging.getLogger("miniinfer.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # 2 MiB: far more than any prompt the context can hold
 
 
 @dataclass(slots=True)
@@ -55,9 +90,13 @@ class ServerConfig:
     arrival_window_ms: float = 5.0
     device: str = "auto"
     dtype: str | None = None
+    strict_fields: bool = False  # a field nobody defines: 400 instead of a logged warning
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get a 413
+    tensor_parallel: int | None = None  # the engine's runner over N processes (chapter 12)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_waiting", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_waiting", "max_num_batched_tokens",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.arrival_window_ms <= 1000:
@@ -72,22 +111,96 @@ class ServerConfig:
                 f"serve needs an engine that takes requests while it runs (add_request, step, "
                 f"abort): continuous or a stage built on it; {self.engine!r} runs static batches")
 
+    def check_kv_cache(self) -> None:
+        """Before the model loads: a ``kv_cache_bytes`` more than the device's memory, or a
+        pool (given, or the engines' default) that cannot hold one request of the model's
+        full context, is refused (vLLM refuses the same at start-up)."""
+        if self.kv_cache_bytes is not None:
+            device = resolve_device(self.device)
+            memory = device_kv_cache_bytes(device)
+            if self.kv_cache_bytes > memory:
+                raise InvalidRequestError(
+                    f"kv_cache_bytes={self.kv_cache_bytes} is more than the {memory} bytes of "
+                    f"memory this machine's {device.type} has")
+        if self.model not in MODELS:
+            return  # load_model names the problem
+        config = model_config(self.model)
+        max_context = int(config.max_position_embeddings)
+        dtype = resolve_dtype(self.dtype, MODELS[self.model].default_dtype)
+        per_block = kv_bytes_per_block(config, dtype, DEFAULT_BLOCK_SIZE)
+        if self.kv_cache_bytes is None:
+            pool = "the default KV pool"
+            num_blocks = KVCacheConfig().resolve_num_blocks(per_block, max_context)
+        else:
+            pool = f"kv_cache_bytes={self.kv_cache_bytes}"
+            num_blocks = self.kv_cache_bytes // per_block
+        need = blocks_for(max_context, DEFAULT_BLOCK_SIZE)
+        if num_blocks < need:
+            raise InvalidRequestError(
+                f"{pool} holds {num_blocks} KV blocks; one request of {self.model}'s full "
+                f"context ({max_context} tokens) needs {need} blocks: give --kv-cache-bytes of "
+                f"at least {need * per_block}")
+
     def make_engine(self, lm: LoadedModel) -> ContinuousEngine:
+        runner = {} if self.tensor_parallel is None else {"tensor_parallel": self.tensor_parallel}
         return make_engine(self.engine, lm, max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens,
-                           kv_cache_bytes=self.kv_cache_bytes)
+                           kv_cache_bytes=self.kv_cache_bytes, **runner)
 
 
-def _sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def device_kv_cache_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device.index or 0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _package_version() -> str:
+    try:
+        return version("miniinfer")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 once it passes ``limit`` bytes: by its Content-Length
+    before anything is read, and counted as it streams in (a chunked body has none)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise invalid(f"Content-Length must be a number of bytes, got {declared[:40]!r}")
+        if int(declared) > limit:
+            raise _too_large(f"Content-Length says {declared} bytes", limit)
+    chunks = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"{size} bytes received so far", limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody reads the answer; no traceback in the log either
+        raise invalid("the client went away before the body ended") from None
+    return b"".join(chunks)
+
+
+def _too_large(what: str, limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than the server's --max-request-bytes "
+                    f"({limit}): {what}", code="request_too_large")
 
 
 def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
-               max_waiting: int = 1024, arrival_window_s: float = 0.0) -> FastAPI:
+               max_waiting: int = 1024, arrival_window_s: float = 0.0,
+               strict_fields: bool = False,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app; its lifespan starts the engine loop and stops it (aborting what is left)."""
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, model_name)
     engine_loop = EngineLoop(engine, metrics, max_waiting, arrival_window_s)
+    tokenizer = PromptTokenizer(lm)
+    unknown_fields = UnknownFieldPolicy(strict_fields)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,10 +210,13 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
 
     app = FastAPI(title="miniinfer", lifespan=lifespan)
     app.state.engine_loop = engine_loop
+    app.state.tokenizer = tokenizer
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # A body refused unread leaves bytes on the connection: close it after the answer.
+        headers = {"connection": "close"} if exc.status == 413 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -109,12 +225,26 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request to %s failed", request.url.path)
         return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}", "server_error").body(),
                             status_code=500)
 
+    async def body_of(http_request: Request, model: Any) -> Any:
+        body = parse_body(model, await read_body(http_request, max_request_bytes))
+        unknown_fields.check(body)
+        name = getattr(body, "model", None)
+        if name and name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{model_name!r}", param="model", code="model_not_found")
+        return body
+
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def server_version() -> dict[str, str]:
+        return {"version": _package_version()}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -122,103 +252,213 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "miniinfer",
-                                            "max_model_len": lm.max_context}]}
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "miniinfer",
+            "root": model_name, "parent": None, "max_model_len": lm.max_context}]}
+
+    @app.post("/tokenize")
+    async def tokenize(http_request: Request) -> dict[str, Any]:
+        """vLLM's: a prompt, or chat messages through the template."""
+        body = await body_of(http_request, TokenizeRequest)
+        if isinstance(body, TokenizeChatRequest):
+            ids = await asyncio.to_thread(tokenizer.encode_chat, chat_turns(body.messages),
+                                          body.add_generation_prompt is not False)
+        else:
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, "prompt",
+                                          body.add_special_tokens is not False)
+        strs = [tokenizer.tokenizer.convert_ids_to_tokens(i) for i in ids] \
+            if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": lm.max_context, "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(http_request: Request) -> dict[str, str]:
+        body = await body_of(http_request, DetokenizeRequest)
+        vocab = lm.config.vocab_size
+        if body.tokens and max(body.tokens) >= vocab:
+            raise invalid(f"tokens must be ids in [0, {vocab}), got {max(body.tokens)}",
+                          "tokens")
+        if len(body.tokens) > lm.max_context:
+            raise invalid(f"tokens: at most the model's context of {lm.max_context} ids, got "
+                          f"{len(body.tokens)}", "tokens")
+        text = await asyncio.to_thread(tokenizer.decode, body.tokens, False)
+        return {"prompt": text}
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate("completion", request)
+    async def completions(http_request: Request) -> Response:
+        body = await body_of(http_request, CompletionRequest)
+        return await _generate(completion_request(body), http_request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate("chat", request)
+    async def chat_completions(http_request: Request) -> Response:
+        body = await body_of(http_request, ChatCompletionRequest)
+        request = chat_request(body)
+        prompt = await asyncio.to_thread(tokenizer.encode_chat, chat_turns(body.messages),
+                                         body.add_generation_prompt is not False)
+        request.sources = [prompt]
+        return await _generate(request, http_request)
 
-    async def _generate(kind: str, http_request: Request) -> Response:
-        body = parse_json(await http_request.body())
-        model = body.get("model")
-        if isinstance(model, str) and model and model != model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{model_name!r}", param="model", code="model_not_found")
-        request = parse_request(kind, body, lm)
-        try:  # prompt too long for the context or the KV pool, token ids outside the vocab
-            engine.validate([request.prompt_ids], request.params)
-        except MiniInferError as exc:
-            raise invalid(str(exc), "messages" if kind == "chat" else "prompt") from None
-        responder = Responder.new(request)
-        handle = RequestHandle(responder.request_id, request.prompt_ids, request.params,
-                               request.stop, asyncio.get_running_loop())
-        engine_loop.submit(handle)  # a 429 when the queue is full
+    async def _prompts(request: GenerationRequest) -> list[list[int]]:
+        prompts = []
+        for source in request.sources:
+            if isinstance(source, str):  # in a worker thread, piece by piece
+                prompts.append(await asyncio.to_thread(tokenizer.encode, source, request.param))
+            else:
+                prompts.append(source)
+        return prompts
+
+    def _check_size(request: GenerationRequest) -> None:
+        """Every choice of a request is queued at once: more than the queue holds could
+        never be admitted."""
+        num_choices = len(request.sources) * request.best_of
+        if num_choices > max_waiting:
+            raise invalid(f"{len(request.sources)} prompt(s) x {request.best_of} choice(s) = "
+                          f"{num_choices} sequences, more than the server queues at once "
+                          f"(--max-waiting {max_waiting})", request.param)
+
+    async def _generate(request: GenerationRequest, http_request: Request) -> Response:
+        _check_size(request)
+        request.set_prompts(await _prompts(request), lm.max_context, lm.config.vocab_size)
+        for prompt, params in zip(request.prompts, request.params, strict=True):
+            try:  # prompt too long for the context or the KV pool, token ids outside the vocab
+                engine.validate([prompt], params)
+            except MiniInferError as exc:
+                raise invalid(str(exc), request.param) from None
+        responder = Responder.new(request, tokenizer)
+        echoes = [await _echo(request, i) for i in range(len(request.prompts))]
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+        event_loop = asyncio.get_running_loop()
+        handles, choices = [], []
+        for i, prompt in enumerate(request.prompts):
+            first = None
+            for j in range(request.best_of):
+                handle = RequestHandle(f"{responder.request_id}-{i}-{j}", prompt,
+                                       request.choice_params(i, j), request.stop, event_loop,
+                                       updates, index=len(handles), after=first)
+                first = first or handle.request_id
+                handles.append(handle)
+                choices.append(Choice(i, TextStream(tokenizer, request.stop,
+                                                    request.skip_special_tokens), echoes[i]))
+        engine_loop.submit(handles)  # a 429 when the queue is full
+        abort = _aborter([h.request_id for h in handles])
         if request.stream:
-            return StreamingResponse(_stream(request, responder, handle),
+            return StreamingResponse(_stream(request, responder, updates, choices, abort),
                                      media_type="text/event-stream")
-        return JSONResponse(await _collect(request, responder, handle, http_request))
+        return Response(await _collect(request, responder, updates, choices, abort,
+                                       http_request), media_type="application/json")
+
+    async def _echo(request: GenerationRequest, i: int) -> str:
+        if not request.echo:
+            return ""
+        source = request.sources[i]
+        if isinstance(source, str):
+            return source
+        return await asyncio.to_thread(tokenizer.decode, source, request.skip_special_tokens)
+
+    def _aborter(request_ids: list[str]) -> Callable[[], None]:
+        def abort() -> None:
+            for request_id in request_ids:
+                engine_loop.abort(request_id)
+        return abort
 
     async def _collect(request: GenerationRequest, responder: Responder,
-                       handle: RequestHandle, http_request: Request) -> dict[str, Any]:
+                       updates: asyncio.Queue[Update], choices: list[Choice],
+                       abort: Callable[[], None], http_request: Request) -> str:
         """The whole answer at once. Nothing is written until the end, so nobody notices a
         client that hangs up meanwhile; a watcher does: with the body read, the connection's
         next ASGI message is ``http.disconnect``, and it only comes if the client goes."""
-        token_ids: list[int] = []
-        finished = False
+        unfinished = len(choices)
         gone = asyncio.ensure_future(_disconnected(http_request))
         try:
-            while True:
-                next_update = asyncio.ensure_future(handle.updates.get())
+            while unfinished:
+                next_update = asyncio.ensure_future(updates.get())
                 await asyncio.wait((next_update, gone), return_when=asyncio.FIRST_COMPLETED)
                 if not next_update.done():
                     next_update.cancel()
-                    logger.info("client of %s went away; aborting it", handle.request_id)
-                    return {}  # nobody reads it; the finally aborts the request
+                    logger.info("client of %s went away; aborting it", responder.request_id)
+                    return ""  # nobody reads it; the finally aborts the request
                 update = next_update.result()
                 if update.error is not None:
-                    finished = True
                     raise update.error
-                token_ids += update.token_ids
+                choice = choices[update.index]
+                choice.token_ids += update.token_ids
+                choice.logprobs += update.logprobs
+                choice.cumulative_logprob = update.cumulative_logprob
                 if update.finish_reason is not None:
-                    finished = True
-                    text = TextStream(lm, request.stop).add(token_ids, update.finish_reason)
-                    return responder.response(text, token_ids, update.finish_reason)
+                    choice.finish_reason = update.finish_reason
+                    await _finish_text(choice)
+                    unfinished -= 1
+            return responder.response(_best(request, choices),
+                                      sum(len(c.token_ids) for c in choices))
         finally:
             gone.cancel()
-            if not finished:  # failed, cancelled or abandoned: free the request's blocks
-                engine_loop.abort(handle.request_id)
+            if unfinished:  # failed, cancelled or abandoned: free the requests' blocks
+                abort()
+
+    async def _finish_text(choice: Choice) -> None:
+        if len(choice.token_ids) > 256:  # a long text: decode it off the event loop
+            await asyncio.to_thread(choice.text.add, choice.token_ids, choice.finish_reason)
+        else:
+            choice.text.add(choice.token_ids, choice.finish_reason)
 
     async def _disconnected(http_request: Request) -> None:
         while (await http_request.receive())["type"] != "http.disconnect":
             pass
 
     async def _stream(request: GenerationRequest, responder: Responder,
-                      handle: RequestHandle) -> AsyncIterator[str]:
+                      updates: asyncio.Queue[Update], choices: list[Choice],
+                      abort: Callable[[], None]) -> AsyncIterator[str]:
         """Server-sent events. A client that disconnects cancels this generator (Starlette
         watches the connection), and the ``finally`` aborts the request."""
-        text = TextStream(lm, request.stop)
-        finished = False
+        unfinished = len(choices)
+        generated = 0
         try:
-            if request.kind == "chat":
-                yield _sse(responder.role_chunk())
-            while True:
-                update = await handle.updates.get()
-                if update.error is not None:
-                    finished = True
-                    yield _sse(update.error.body())  # the status line has gone out already
-                    return
-                delta = text.add(update.token_ids, update.finish_reason)
-                yield _sse(responder.chunk(delta, update.token_ids, update.finish_reason))
+            for index, choice in enumerate(choices):
+                if request.kind == "chat":
+                    yield _sse(responder.role_chunk(index))
+                elif choice.echo:
+                    choice.text_offset = len(choice.echo)
+                    yield _sse(responder.chunk(index, choice, choice.echo, [], [], None,
+                                               generated))
+            while unfinished:
+                update = await updates.get()
+                if update.error is not None:  # the status line went out: say it in the stream
+                    yield _sse(_error_json(update.error))
+                    return  # the finally aborts the other choices
+                choice = choices[update.index]
+                generated += len(update.token_ids)
+                delta = choice.text.add(update.token_ids, update.finish_reason)
+                yield _sse(responder.chunk(update.index, choice, delta, update.token_ids,
+                                           update.logprobs, update.finish_reason, generated))
                 if update.finish_reason is not None:
-                    break
-            finished = True
+                    unfinished -= 1
             if request.include_usage:
-                yield _sse(responder.usage_chunk(len(text.token_ids)))
+                yield _sse(responder.usage_chunk(generated))
             yield _sse("[DONE]")
         except Exception as exc:
-            logger.exception("stream of %s failed", handle.request_id)
-            yield _sse(APIError(500, f"{type(exc).__name__}: {exc}", "server_error").body())
+            logger.exception("stream of %s failed", responder.request_id)
+            yield _sse(_error_json(APIError(500, f"{type(exc).__name__}: {exc}",
+                                            "server_error")))
         finally:
-            if not finished:
-                engine_loop.abort(handle.request_id)
+            if unfinished:
+                abort()
 
     return app
+
+
+def _best(request: GenerationRequest, choices: list[Choice]) -> list[Choice]:
+    """With ``best_of > n``: each prompt's ``n`` choices of highest cumulative logprob."""
+    if request.best_of == request.n:
+        return choices
+    best = []
+    for i in range(len(request.prompts)):
+        group = choices[i * request.best_of: (i + 1) * request.best_of]
+        best += sorted(group, key=lambda c: c.cumulative_logprob, reverse=True)[: request.n]
+    return best
+
+
+def _error_json(error: APIError) -> str:
+    return json.dumps(error.body(), separators=(",", ":"))
 
 
 class Server(uvicorn.Server):
@@ -238,10 +478,12 @@ def build_server(config: ServerConfig, lm: LoadedModel | None = None,
                  log_level: str = "warning") -> tuple[Server, socket.socket]:
     """The server and its listening socket (bound here, so ``port=0`` gets a free port that
     is known before anything runs)."""
+    config.check_kv_cache()
     lm = lm or load_model(config.model, device=config.device, dtype=config.dtype)
     engine = config.make_engine(lm)
     app = create_app(lm, engine, config.model, config.max_waiting,
-                     config.arrival_window_ms / 1e3)
+                     config.arrival_window_ms / 1e3, config.strict_fields,
+                     config.max_request_bytes)
     sock = socket.create_server((config.host, config.port))
     host, port = sock.getsockname()[:2]
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
@@ -260,4 +502,8 @@ def run_server(config: ServerConfig) -> None:
     # KeyboardInterrupt. These handlers make that second delivery a no-op, so we exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        server.engine_loop.engine.close()  # a tensor-parallel runner's processes end too
+

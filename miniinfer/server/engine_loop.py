@@ -15,11 +15,13 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..core.errors import MiniInferError
 from ..core.kv_cache import RequestId
-from ..core.sampling import SamplingParams
+from ..core.prefix_cache import PrefixCacheBlockManager
+from ..core.sampling import SamplingParams, TokenLogprobs
 from ..core.scheduler import FinishReason, Request
 from ..engines.continuous import ContinuousEngine, StepResult
 from .metrics import ServerMetrics
@@ -30,24 +32,33 @@ logger = logging.getLogger("miniinfer.server")
 
 @dataclass(slots=True)
 class Update:
-    """What one step did for one request: its new tokens, and how it ended if it did."""
+    """What one step did for one choice of a request: its new tokens (and their logprobs, if
+    asked for), and how it ended if it did."""
 
+    index: int  # the choice (RequestHandle.index)
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     error: APIError | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
 
 @dataclass(slots=True, eq=False)
 class RequestHandle:
-    """The handler's side of one request. Updates arrive on ``updates`` in order."""
+    """The handler's side of one engine request (one choice of an HTTP request). The choices
+    of one HTTP request share ``updates``; each update says whose it is."""
 
     request_id: RequestId
     prompt_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...]
     event_loop: asyncio.AbstractEventLoop
-    arrival: float = field(default_factory=time.perf_counter)
     updates: asyncio.Queue[Update] = field(default_factory=asyncio.Queue)
+    index: int = 0
+    # Another choice of the same prompt: with a prefix cache, this one is added once that one
+    # has computed the prompt, and finds the prompt's full blocks cached (n > 1 shares them).
+    after: RequestId | None = None
+    arrival: float = field(default_factory=time.perf_counter)
     num_pushed: int = 0  # output tokens handed over so far (engine thread only)
 
     def push(self, update: Update) -> None:
@@ -59,6 +70,10 @@ class RequestHandle:
 def _put_all(updates: list[tuple[RequestHandle, Update]]) -> None:
     for handle, update in updates:
         handle.updates.put_nowait(update)
+
+
+def _shares_prefixes(engine: ContinuousEngine) -> bool:
+    return isinstance(engine.kv_cache.block_manager, PrefixCacheBlockManager)
 
 
 _STOP = object()  # commands besides a RequestHandle (add) and a RequestId (abort)
@@ -77,6 +92,10 @@ class EngineLoop:
         self.arrival_window_s = arrival_window_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[RequestId, RequestHandle] = {}  # in the engine (loop thread only)
+        # Choices waiting for their first sibling's prompt (RequestHandle.after), by its id.
+        self._deferred: dict[RequestId, list[RequestHandle]] = {}
+        self._num_deferred = 0
+        self._defer = engine is not None and _shares_prefixes(engine)
         # Requests submitted but not yet taken off the command queue: two counters, each
         # written by one thread only, so no lock is needed for their difference.
         self._num_submitted = 0
@@ -88,20 +107,23 @@ class EngineLoop:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_submitted - self._num_taken + len(self.engine.scheduler.waiting)
+        return (self._num_submitted - self._num_taken + self._num_deferred
+                + len(self.engine.scheduler.waiting))
 
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, handle: RequestHandle) -> None:
-        """Queue a request, or refuse it with a 429 when ``max_waiting`` are already waiting:
-        backpressure, instead of a queue that grows until memory runs out."""
+    def submit(self, handles: Sequence[RequestHandle]) -> None:
+        """Queue the choices of one request, or refuse them all with a 429 when
+        ``max_waiting`` are already waiting: backpressure, instead of a queue that grows until
+        memory runs out."""
         if self.num_waiting >= self.max_waiting:
             raise APIError(429, f"the server is at capacity: {self.num_waiting} requests are "
                            f"waiting (--max-waiting {self.max_waiting}); retry later",
                            "rate_limit_error", code="queue_full")
-        self._num_submitted += 1
-        self._commands.put(handle)
+        self._num_submitted += len(handles)
+        for handle in handles:
+            self._commands.put(handle)
 
     def abort(self, request_id: RequestId) -> None:
         self._commands.put(request_id)
@@ -160,20 +182,42 @@ class EngineLoop:
             self._abort_all("the server is shutting down")
         elif isinstance(command, RequestHandle):
             self._num_taken += 1
-            self._add(command)
+            if self._defer and command.after in self._handles:
+                self._deferred.setdefault(command.after, []).append(command)
+                self._num_deferred += 1
+            else:
+                self._add(command)
         else:
-            handle = self._handles.pop(command, None)
-            request = self.engine.requests.get(command)
-            if handle is not None and request is not None:
-                self.engine.abort(command)
-                self.metrics.finished(request)
+            self._abort(command)
+
+    def _abort(self, request_id: RequestId) -> None:
+        for after, waiting in self._deferred.items():
+            for handle in waiting:
+                if handle.request_id == request_id:
+                    waiting.remove(handle)
+                    self._num_deferred -= 1
+                    if not waiting:
+                        del self._deferred[after]
+                    return
+        self._release(request_id)
+        handle = self._handles.pop(request_id, None)
+        request = self.engine.requests.get(request_id)
+        if handle is not None and request is not None:
+            self.engine.abort(request_id)
+            self.metrics.finished(request)
+
+    def _release(self, request_id: RequestId) -> None:
+        """Add the choices that waited for this request's prompt."""
+        for handle in self._deferred.pop(request_id, []):
+            self._num_deferred -= 1
+            self._add(handle)
 
     def _add(self, handle: RequestHandle) -> None:
         try:
             self.engine.add_request(handle.prompt_ids, handle.params, stop=handle.stop,
                                     request_id=handle.request_id, arrival_time=handle.arrival)
         except MiniInferError as exc:  # the handler checked first; this is a second line
-            handle.push(Update([], error=APIError(400, str(exc))))
+            handle.push(Update(handle.index, [], error=APIError(400, str(exc))))
         else:
             self._handles[handle.request_id] = handle
 
@@ -185,13 +229,20 @@ class EngineLoop:
                 break
             if isinstance(command, RequestHandle):
                 self._num_taken += 1
-                command.push(Update([], error=APIError(503, message, "server_error")))
+                command.push(Update(command.index, [], error=APIError(503, message,
+                                                                      "server_error")))
+        for waiting in self._deferred.values():
+            for handle in waiting:
+                handle.push(Update(handle.index, [], error=APIError(503, message,
+                                                                    "server_error")))
+        self._deferred.clear()
+        self._num_deferred = 0
         for request_id, handle in list(self._handles.items()):
             request = self.engine.requests[request_id]
             self.engine.abort(request_id)
             self.metrics.finished(request)
-            handle.push(Update([], error=APIError(503, f"{message}; request aborted",
-                                                  "server_error")))
+            handle.push(Update(handle.index, [], error=APIError(
+                503, f"{message}; request aborted", "server_error")))
         self._handles.clear()
 
     def _step(self) -> None:
@@ -209,17 +260,26 @@ class EngineLoop:
             self._publish(result)
 
     def _publish(self, result: StepResult) -> None:
+        if result.preempted:
+            self.metrics.preempted(len(result.preempted))
         updates = []
         for request in result.outputs:
             handle = self._handles.get(request.request_id)
             if handle is None:
                 continue
-            new = request.output_ids[handle.num_pushed:]
+            start = handle.num_pushed
             handle.num_pushed = len(request.output_ids)
+            if start == 0:
+                self.metrics.first_token(request)
+                self._release(request.request_id)
+            self.metrics.tokens(request, start)
             if request.finished:
                 del self._handles[request.request_id]
                 self.metrics.finished(request)
-            updates.append((handle, Update(new, request.finish_reason)))
+            updates.append((handle, Update(handle.index, request.output_ids[start:],
+                                           request.finish_reason,
+                                           logprobs=request.output_logprobs[start:],
+                                           cumulative_logprob=request.cumulative_logprob)))
         if updates:
             # One wake-up of the event loop per step, not one per request (all handles live
             # on the server's one event loop).
@@ -255,8 +315,9 @@ class EngineLoop:
         handle = self._handles.pop(request.request_id, None)
         self.engine.abort(request.request_id)
         self.metrics.failed()
+        self._release(request.request_id)
         if handle is not None:
-            handle.push(Update([], error=APIError(
+            handle.push(Update(handle.index, [], error=APIError(
                 500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
                 "server_error")))
 

@@ -1,8 +1,14 @@
 """``GET /metrics``: the server's counters, latency histograms and gauges in Prometheus' text
-format, named like vLLM's (``vllm:time_to_first_token_seconds`` is our
-``miniinfer_time_to_first_token_seconds``). Latencies come from each request's timeline in the
-engine (arrival at the server to the step that produced the token), so they leave out the
-HTTP hop that a client's own measurement includes."""
+format, under vLLM's names (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_hits``, ``vllm:time_to_first_token_seconds``...) and its ``model_name``
+label, so a dashboard built for vLLM reads our server as it is. Two gauges vLLM does not have
+are ours (``miniinfer:kv_blocks_*``: the pool in blocks rather than a fraction).
+
+Latencies come from each request's timeline in the engine (arrival at the server to the step
+that produced the token), so they leave out the HTTP hop that a client's own measurement
+includes. The prefix-cache counters count prompt tokens: ``queries`` every prompt token of an
+admitted request, ``hits`` those its admission found cached (chapter 09's block manager); an
+engine without a prefix cache never hits."""
 
 from __future__ import annotations
 
@@ -20,58 +26,89 @@ TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class ServerMetrics:
     """One registry per server, so several servers in one process (tests) keep apart."""
 
-    def __init__(self, engine: ContinuousEngine) -> None:
+    def __init__(self, engine: ContinuousEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("miniinfer_requests", "Requests that ended, by finish reason "
-                                "(stop, length, abort, error).", ["finish_reason"], registry=r)
-        self.prompt_tokens = Counter("miniinfer_prompt_tokens", "Prompt tokens of requests "
-                                     "that ended.", registry=r)
-        self.generation_tokens = Counter("miniinfer_generation_tokens", "Tokens generated.",
-                                         registry=r)
-        self.ttft = Histogram("miniinfer_time_to_first_token_seconds", "Arrival to first token.",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("miniinfer_time_per_output_token_seconds", "Per request: (last "
-                              "token - first token) / (output tokens - 1).",
-                              buckets=TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("miniinfer_e2e_request_latency_seconds", "Arrival to last token.",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        label = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=r).labels(model_name)
+
+        self._requests = Counter("vllm:request_success", "Requests that ended, by finish "
+                                 "reason (stop, length, abort, error).",
+                                 ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that "
+                                     "ended.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Requests preempted (their blocks "
+                                   "freed, to be recomputed).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache at admission.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache at admission.")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
+                              LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two tokens of "
+                             "a request.", TOKEN_GAP_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Per request: (last "
+                              "token - first token) / (output tokens - 1).", TOKEN_GAP_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
+                             LATENCY_BUCKETS)
         scheduler = engine.scheduler
         manager = engine.kv_cache.block_manager
         # Read at scrape time, from the handler's thread: a length or a number the engine
         # thread updates is a consistent snapshot under the GIL.
-        Gauge("miniinfer_num_requests_running", "Requests holding KV blocks.",
-              registry=r).set_function(lambda: len(scheduler.running))
-        Gauge("miniinfer_num_requests_waiting", "Requests queued for admission.",
-              registry=r).set_function(lambda: len(scheduler.waiting))
-        Gauge("miniinfer_kv_blocks_in_use", "KV cache blocks held by requests.",
-              registry=r).set_function(lambda: manager.num_blocks - manager.num_free_blocks)
-        Gauge("miniinfer_kv_blocks_total", "KV cache blocks in the pool.",
-              registry=r).set(manager.num_blocks)
-        # The prefix-cache stage (chapter 09) reports its hit rate as
-        # ``prefix_cache_hit_rate``; an engine without a prefix cache never hits.
-        Gauge("miniinfer_prefix_cache_hit_rate", "Share of prompt tokens found in the prefix "
-              "cache (0 without one).", registry=r).set_function(
-            lambda: float(getattr(engine, "prefix_cache_hit_rate", 0.0)))
+        gauge("vllm:num_requests_running", "Requests holding KV blocks.").set_function(
+            lambda: len(scheduler.running))
+        gauge("vllm:num_requests_waiting", "Requests queued for admission.").set_function(
+            lambda: len(scheduler.waiting))
+        in_use = lambda: manager.num_blocks - manager.num_free_blocks  # noqa: E731
+        gauge("vllm:kv_cache_usage_perc", "Share of the KV cache's blocks held by requests "
+              "(0 to 1).").set_function(lambda: in_use() / manager.num_blocks)
+        gauge("miniinfer:kv_blocks_in_use", "KV cache blocks held by requests.").set_function(
+            in_use)
+        gauge("miniinfer:kv_blocks_total", "KV cache blocks in the pool.").set(
+            manager.num_blocks)
+
+    def first_token(self, request: Request) -> None:
+        """A request's first token: its prompt was looked up when it was admitted."""
+        self.prefix_queries.inc(len(request.prompt_ids))
+        self.prefix_hits.inc(request.num_cached_tokens)
+        t = request.timeline
+        self.ttft.observe(t.first_token - t.arrival)
+
+    def tokens(self, request: Request, start: int) -> None:
+        """The gaps before each output token from index ``start`` on."""
+        times = request.timeline.token_times
+        for i in range(max(start, 1), len(times)):
+            self.itl.observe(times[i] - times[i - 1])
+
+    def preempted(self, num_requests: int) -> None:
+        self.preemptions.inc(num_requests)
 
     def finished(self, request: Request) -> None:
         """Count a request that left the engine (its timeline is complete)."""
         t = request.timeline
         reason = request.finish_reason
-        self.requests.labels("stop" if reason in (FinishReason.EOS, FinishReason.STOP)
-                             else reason.value).inc()
+        self._requests.labels(self.model_name, "stop" if reason in (
+            FinishReason.EOS, FinishReason.STOP) else reason.value).inc()
         self.prompt_tokens.inc(len(request.prompt_ids))
         self.generation_tokens.inc(len(request.output_ids))
-        if t.first_token is not None:
-            self.ttft.observe(t.first_token - t.arrival)
-            n = len(t.token_times)
-            if n > 1:
-                self.tpot.observe((t.token_times[-1] - t.first_token) / (n - 1))
-        if reason is not FinishReason.ABORT:
+        n = len(t.token_times)
+        if n > 1:
+            self.tpot.observe((t.token_times[-1] - t.first_token) / (n - 1))
+        if reason is not FinishReason.ABORT and t.first_token is not None:
             self.e2e.observe(t.finish - t.arrival)
 
     def failed(self) -> None:
-        self.requests.labels("error").inc()
+        self._requests.labels(self.model_name, "error").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

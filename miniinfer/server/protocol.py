@@ -1,29 +1,45 @@
-"""The OpenAI API as our server speaks it: request bodies checked field by field into what the
-engine takes, responses and stream chunks in OpenAI's shapes, errors as
-``{"error": {"message", "type", "param", "code"}}``, and the output text as it grows.
+"""The OpenAI API as our server speaks it, on pydantic models as vLLM, SGLang and the ``openai``
+package itself define it: request bodies parsed straight from the raw bytes by pydantic-core's
+JSON parser into the models below, responses and stream chunks built from models, and every
+error as OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 
-Checking by hand rather than with a schema library keeps every message ours: an option we do
-not implement (``n`` > 1, ``logprobs``, tools, penalties) gets a 400 that names it, instead of
-being silently ignored, and a field nobody knows gets the 400 OpenAI gives it.
+- Types are strict: a float, a bool or a string where an integer belongs is a 400, not a
+  silent conversion; NaN and infinity are refused; invalid UTF-8 or a lone surrogate anywhere
+  is invalid JSON, and so is nesting deeper than the parser's recursion limit.
+- The sampling fields are vLLM's (``top_k``, ``min_p``, penalties, ``logit_bias``,
+  ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``n``, ``best_of``, ``logprobs``...), and
+  all of them are implemented. A field nobody defines is accepted and logged once, as vLLM
+  does (``strict_fields`` turns that into a 400). What we do not implement (tools, structured
+  output, ``suffix``, ``echo`` with ``logprobs``) is refused by name, never silently ignored.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import time
-import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+import logging
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal, TypeVar
 
-from ..core.errors import MiniInferError
-from ..core.models import LoadedModel
-from ..core.sampling import SamplingParams
-from ..core.scheduler import FinishReason
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
+
+from ..core.sampling import MAX_LOGPROBS, SEED_RANGE
+
+logger = logging.getLogger("miniinfer.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_STOP_STRINGS = 4  # as OpenAI allows
+MAX_CHOICES = 64  # n and best_of: each one is a request in the engine
+MAX_STOP_STRINGS = 64  # OpenAI allows 4, vLLM any number; each is searched at every token
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_PROMPTS = 1024  # a list of prompts on /v1/completions
+MAX_UNKNOWN_FIELDS_LOGGED = 256  # distinct names; a client inventing names must not grow this
 
 
 class APIError(Exception):
@@ -47,281 +63,304 @@ def invalid(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-@dataclass(slots=True)
-class GenerationRequest:
-    """One request, checked: what the engine needs, and how to answer."""
+class OpenAIModel(BaseModel):
+    """Strict types, no NaN or infinity, unknown fields kept (``model_extra``) to be logged."""
 
-    kind: str  # "completion" or "chat"
-    model: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool  # stream_options.include_usage: a last chunk carries the usage
-    return_token_ids: bool  # vLLM's extension: each choice also carries its token ids
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-# Options OpenAI defines that we do not implement, with the values that mean "not used": a
-# request may send those (clients often send defaults explicitly), anything else is a 400.
-_NOT_IMPLEMENTED: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v in (None, 1),
-    "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: v in (None, {}),
-    "tools": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none"),
-    "functions": lambda v: v in (None, []),
-    "response_format": lambda v: v in (None, {"type": "text"}),
-}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-           "stream_options", "user", "ignore_eos", "return_token_ids"}
-_FIELDS = {"completion": _COMMON | {"prompt"},
-           "chat": _COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls"}}
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
+def _prompt_kind(value: Any) -> str:
+    """Which form of prompt a value is, by its first element; only that form is validated
+    (trying every form of a union on a long list of ids costs each form a full pass). The
+    tags are no identifiers, so they never pass for a field name in an error's ``param``."""
+    if isinstance(value, str):
+        return "one-text"
+    if isinstance(value, list) and value:
+        if isinstance(value[0], str):
+            return "many-texts"
+        if isinstance(value[0], list):
+            return "many-token-ids"
+    return "one-token-ids"
+
+
+# A string, token ids, or a list of either (several prompts, as vLLM and OpenAI take them).
+Prompt = Annotated[
+    Annotated[NonEmptyText, Tag("one-text")]
+    | Annotated[TokenIds, Tag("one-token-ids")]
+    | Annotated[list[NonEmptyText], Tag("many-texts"), Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenIds], Tag("many-token-ids"),
+                Field(min_length=1, max_length=MAX_PROMPTS)],
+    Discriminator(_prompt_kind)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM: every chunk carries the usage so far
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class SamplingFields(OpenAIModel):
+    """What both endpoints share. ``None`` is what a client sends for "not set"."""
+
+    model: NonEmptyText
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 and 0 mean no top-k
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    return_token_ids: bool | None = None  # vLLM: each choice also carries its token ids
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    echo: bool | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    suffix: str | None = None
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool | None = None  # vLLM; default True
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    """vLLM's ``POST /tokenize`` with a prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeChatRequest(OpenAIModel):
+    """vLLM's ``POST /tokenize`` with chat messages (the chat template applied)."""
+
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+# /tokenize takes either form; a body with messages is the chat form.
+TokenizeRequest = TypeAdapter(Annotated[
+    Annotated[TokenizeChatRequest, Tag("chat")]
+    | Annotated[TokenizeCompletionRequest, Tag("prompt")],
+    Discriminator(lambda v: "chat" if isinstance(v, dict) and "messages" in v else "prompt")])
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
+
+_FIELD_NAMES = frozenset(
+    name for model in (StreamOptions, ResponseFormat, CompletionRequest, TextPart, ChatMessage,
+                       ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                       DetokenizeRequest)
+    for name in model.model_fields)
+
+
+def _param(loc: tuple[str | int, ...]) -> str | None:
+    """``loc`` as OpenAI names a parameter (``messages.0.content``): pydantic also puts the
+    member of a union it tried in ``loc`` (``str``, ``list[int]``, a tag), which is dropped."""
+    parts = [str(p) for p in loc if isinstance(p, int) or p in _FIELD_NAMES]
+    return ".".join(parts) or None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first problem pydantic found, as OpenAI reports one: a message and the ``param``.
+    A union reports one error per form it tried: the one that got deepest into the value
+    (``stop.0`` rather than ``stop`` for ``["", "x"]``) says most."""
+    errors = exc.errors(include_url=False, include_context=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        why = first["msg"].removeprefix("Invalid JSON: ")
+        if "surrogate" in why or "hex escape" in why:
+            why += " (\\ud800-\\udfff escapes are UTF-16 halves and must come in pairs)"
+        return invalid(f"the request body is not valid JSON: {why}")
+    if first["type"] == "model_type" and not first["loc"]:
+        return invalid("the request body must be a JSON object")
+    same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    depth = max(len(e["loc"]) for e in same_field)
+    deepest = [e for e in same_field if len(e["loc"]) == depth]
+    param = _param(deepest[0]["loc"])
+    messages = list(dict.fromkeys(e["msg"] for e in deepest if _param(e["loc"]) == param))
+    if deepest[0]["type"] == "missing":
+        return invalid(f"{param} is required", param)
+    return invalid(f"{param}: {' or '.join(messages)} (got {_shown(deepest[0].get('input'))})",
+                   param)
+
+
+def unknown_fields(model: BaseModel, path: str = "") -> Iterator[str]:
+    """The names (dotted) of fields the client sent that no model defines, nested ones too."""
+    for name in model.model_extra or {}:
+        yield f"{path}{name}"
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from unknown_fields(value, f"{path}{name}.")
+        # A list holds models all through or none (a prompt of 400k ids is not walked).
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            for i, item in enumerate(value):
+                yield from unknown_fields(item, f"{path}{name}.{i}.")
+
+
+class UnknownFieldPolicy:
+    """vLLM's behaviour (accept, log a warning) with each name logged once, or a 400."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.logged: set[str] = set()
+
+    def check(self, request: BaseModel) -> None:
+        names = list(unknown_fields(request))
+        if not names:
+            return
+        if self.strict:
+            raise invalid(f"unrecognized request argument(s): "
+                          f"{', '.join(_shown(n) for n in names[:8])} (--strict-fields)",
+                          names[0])
+        new = [n for n in names if n not in self.logged]
+        room = MAX_UNKNOWN_FIELDS_LOGGED - len(self.logged)
+        if new and room > 0:
+            self.logged.update(new[:room])
+            logger.warning("ignoring field(s) this server does not know: %s (each name is "
+                           "logged once)", ", ".join(_shown(n) for n in new[:room]))
+
+
+def parse_body(model: type[RequestModel] | TypeAdapter, raw: bytes) -> RequestModel:
+    """The body parsed by pydantic-core's JSON parser (bytes in, no ``json.loads`` first)."""
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid("the request body must be a JSON object")
-    return body
+        if isinstance(model, TypeAdapter):
+            return model.validate_json(raw)
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float,
-            low_open: bool = False) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or not (low < value if low_open else low <= value) or value > high:
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise invalid(f"{name} must be a number in {bound}, got {value!r}", name)
-    return float(value)
+# -- responses ---------------------------------------------------------------------------------
+
+def _unless_none(value: Any) -> bool:
+    return value is None
 
 
-def _int(body: dict, name: str, default: int | None, low: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise invalid(f"{name} must be an integer >= {low}, got {value!r}", name)
-    return value
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
 
 
-def _bool(body: dict, name: str) -> bool:
-    value = body.get(name, False)
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be true or false, got {value!r}", name)
-    return value
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
-def _stop(body: dict) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS \
-            or not all(isinstance(s, str) and s for s in stops):
-        raise invalid(f"stop must be a non-empty string or a list of at most "
-                      f"{MAX_STOP_STRINGS} of them, got {stop!r}", "stop")
-    return tuple(stops)
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
 
 
-def _prompt_ids(prompt: Any, lm: LoadedModel) -> list[int]:
-    """A string, or token ids; a list holding one of those is that one prompt."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise invalid("prompt is empty", "prompt")
-        return lm.tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list)
-                                                            for p in prompt):
-        raise invalid("several prompts in one request are not supported: send one prompt "
-                      "(a string or a list of token ids) per request", "prompt")
-    raise invalid("prompt must be a non-empty string or a non-empty list of token ids",
-                  "prompt")
-
-
-def _chat_prompt_ids(messages: Any, lm: LoadedModel) -> list[int]:
-    """The model's chat template over the messages, as ``generate --chat`` applies it."""
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list", "messages")
-    turns = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in (
-                "system", "user", "assistant"):
-            raise invalid(f"messages[{i}] must be an object with a role of system, user or "
-                          f"assistant", "messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise invalid(f"messages[{i}].content: only text parts are supported",
-                              "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string or a list of text parts",
-                          "messages")
-        turns.append({"role": message["role"], "content": content})
-    return lm.chat_prompt(turns)
-
-
-def parse_request(kind: str, body: dict[str, Any], lm: LoadedModel) -> GenerationRequest:
-    """Check a completions (``kind="completion"``) or chat completions (``"chat"``) body."""
-    unknown = sorted(set(body) - _FIELDS[kind] - set(_NOT_IMPLEMENTED))
-    if unknown:
-        raise invalid(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
-    for name, unused in _NOT_IMPLEMENTED.items():
-        if name in body and not unused(body[name]):
-            raise invalid(f"{name}={body[name]!r} is not supported by this server", name)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model is required (see GET /v1/models)", "model")
-    if kind == "chat":
-        prompt_ids = _chat_prompt_ids(body.get("messages"), lm)
-        tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-            else "max_tokens"
-        # Unset, a chat answer may run to the end of the context (as vLLM does).
-        default = max(1, lm.max_context - len(prompt_ids))
-    else:
-        if "prompt" not in body:
-            raise invalid("prompt is required", "prompt")
-        prompt_ids = _prompt_ids(body["prompt"], lm)
-        tokens_field, default = "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS
-    max_tokens = _int(body, tokens_field, default, 1)
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)  # OpenAI's default is 1
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    seed = _int(body, "seed", None, 0)
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is not None and (not stream or not isinstance(options, dict)
-                                or set(options) - {"include_usage"}):
-        raise invalid("stream_options must be an object with include_usage, and only with "
-                      "stream=true", "stream_options")
-    try:
-        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                seed=seed, ignore_eos=_bool(body, "ignore_eos"))
-    except MiniInferError as exc:
-        raise invalid(str(exc)) from None
-    return GenerationRequest(kind, model, prompt_ids, params, _stop(body), stream,
-                             _bool(options or {}, "include_usage"),
-                             _bool(body, "return_token_ids"))
-
-
-def finish_reason(reason: FinishReason) -> str:
-    """OpenAI's names: an EOS token and a stop string are both "stop"."""
-    return "length" if reason is FinishReason.LENGTH else "stop"
-
-
-class TextStream:
-    """The output text as tokens arrive: each call returns the new text that is safe to send.
-
-    Two things are held back until more tokens come: a character whose UTF-8 bytes are split
-    across tokens (it decodes as U+FFFD for now), and the last ``len(longest stop) - 1``
-    characters, which could be the start of a stop string (OpenAI never sends a stop string).
-    The whole output is decoded each time, so the pieces always join to the final text."""
-
-    def __init__(self, lm: LoadedModel, stop: Sequence[str]) -> None:
-        self.tokenizer = lm.tokenizer
-        self.stop = stop
-        self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.token_ids: list[int] = []
-        self.text = ""  # what has been sent
-        self._decoded = ""
-
-    def add(self, token_ids: Sequence[int], reason: FinishReason | None) -> str:
-        self.token_ids += token_ids
-        decoded = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        if reason is None:
-            end = len(decoded.rstrip("\ufffd")) - self.holdback
-        elif reason is FinishReason.STOP:
-            # The output ends at the first stop string, which is left out.
-            end = min((i for i in (decoded.find(s) for s in self.stop) if i >= 0),
-                      default=len(decoded))
-        else:
-            end = len(decoded)
-        if end <= len(self.text):
-            return ""
-        delta = decoded[len(self.text):end]
-        self.text += delta
-        return delta
-
-
-@dataclass(slots=True)
-class Responder:
-    """Builds one request's response body, or its stream chunks, in OpenAI's shapes."""
-
-    request: GenerationRequest
-    request_id: str
+class CompletionResponse(BaseModel):
+    id: str
+    object: str
     created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_unless_none)
 
-    @classmethod
-    def new(cls, request: GenerationRequest) -> Responder:
-        prefix = "chatcmpl" if request.kind == "chat" else "cmpl"
-        return cls(request, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 
-    def usage(self, num_output_tokens: int) -> dict[str, int]:
-        prompt = len(self.request.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": num_output_tokens,
-                "total_tokens": prompt + num_output_tokens}
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
 
-    def _choice(self, text: str, token_ids: list[int], reason: str | None,
-                chunk: bool) -> dict[str, Any]:
-        if self.request.kind == "chat":
-            key = "delta" if chunk else "message"
-            if chunk:
-                message = {"content": text} if text or reason is None else {}
-            else:
-                message = {"role": "assistant", "content": text}
-            choice = {"index": 0, key: message, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-        if self.request.return_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
 
-    def _envelope(self, chunk: bool) -> dict[str, Any]:
-        if self.request.kind == "chat":
-            kind = "chat.completion.chunk" if chunk else "chat.completion"
-        else:
-            kind = "text_completion"
-        return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.request.model}
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
 
-    def response(self, text: str, token_ids: list[int], reason: FinishReason) -> dict[str, Any]:
-        return {**self._envelope(False),
-                "choices": [self._choice(text, token_ids, finish_reason(reason), False)],
-                "usage": self.usage(len(token_ids))}
 
-    def chunk(self, text: str, token_ids: list[int],
-              reason: FinishReason | None = None) -> dict[str, Any]:
-        """One streamed piece: the new text (maybe empty: every engine step that gave the
-        request tokens sends one, so a client can time each token); a finished request's last
-        piece carries its finish reason."""
-        out = {**self._envelope(True),
-               "choices": [self._choice(text, token_ids, reason and finish_reason(reason), True)]}
-        if self.request.include_usage:
-            out["usage"] = None
-        return out
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
 
-    def role_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant's role and no text."""
-        return {**self._envelope(True), "choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]}
 
-    def usage_chunk(self, num_output_tokens: int) -> dict[str, Any]:
-        return {**self._envelope(True), "choices": [], "usage": self.usage(num_output_tokens)}
+class AssistantMessage(BaseModel):
+    role: str | None = Field(default=None, exclude_if=_unless_none)
+    content: str | None = Field(default=None, exclude_if=_unless_none)
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage | None = Field(default=None, exclude_if=_unless_none)
+    delta: AssistantMessage | None = Field(default=None, exclude_if=_unless_none)
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(default=None, exclude_if=_unless_none)
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = Field(default=None, exclude_if=_unless_none)
