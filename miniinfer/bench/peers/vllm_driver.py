@@ -1,0 +1,152 @@
+"""vLLM's side of the peer protocol. The peer venv's python runs this file as a script: it
+imports the standard library and vllm only (never miniinfer, whose deps that venv lacks).
+
+    .venv-peers/bin/python vllm_driver.py --model DIR --dtype float32 [--max-num-batched-tokens N]
+
+Protocol, JSON lines: once the engine is built the driver writes ``{"ready": true,
+"vllm_version": ..., ...}``; then it answers every job line read from stdin with one line, and
+stops at the end of stdin. A job::
+
+    {"requests": [{"prompt_ids": [...], "max_tokens": 64, "arrival_s": 0.0}, ...],
+     "sampling": {"temperature": 0.0, "ignore_eos": true, ...},
+     "warmup": 0, "repeat": 1, "reset_prefix_cache": true}
+
+its answer ``{"runs": [{"duration_s": ..., "requests": [{"token_ids": [...], "scheduled_s":
+..., "token_times_s": [...]}, ...]}, ...]}`` (one run per repeat, times in seconds from the
+run's start), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
+else that writes to file descriptor 1 (its engine process too), go to stderr.
+
+A run is what ``LLM.generate`` does with every request at once, the engine's own ``step()``
+loop, with two differences that let it time each token: each step returns its new tokens
+(``generate`` asks for the final outputs only), and a request with ``arrival_s > 0`` is added
+when its time has come (chapter 08's arrivals), before the next step. Tokens are not
+detokenized: our engines return token ids too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+
+def _protocol_stream() -> TextIO:
+    """A private copy of stdout for the answers; fd 1 itself (and so every print, log line
+    and child process) is pointed at stderr."""
+    stream = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return stream
+
+
+def _sampling_params(max_tokens: int, sampling: dict[str, Any]):
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA,
+                          detokenize=False, **sampling)
+
+
+def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any]) -> dict[str, Any]:
+    """One run: every request added at its arrival, the engine stepped until all are done;
+    each new token stamped when the step that made it returns."""
+    engine = llm.llm_engine
+    order = sorted(range(len(requests)), key=lambda i: requests[i].get("arrival_s", 0.0))
+    params = [_sampling_params(r["max_tokens"], sampling) for r in requests]
+    out = [{"token_ids": [], "scheduled_s": None, "token_times_s": []} for _ in requests]
+    start = time.perf_counter()
+    # Ids unique across runs: vLLM refuses an id still known from an earlier request.
+    tag = f"{start:.6f}"
+    while order or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, start + requests[order[0]].get("arrival_s", 0.0)
+                           - time.perf_counter()))
+        now = time.perf_counter() - start
+        while order and requests[order[0]].get("arrival_s", 0.0) <= now:
+            i = order.pop(0)
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": requests[i]["prompt_ids"]},
+                               params[i])
+            out[i]["scheduled_s"] = time.perf_counter() - start
+        for output in engine.step():
+            stamp = time.perf_counter() - start
+            record = out[int(output.request_id.rpartition("-")[2])]
+            new = list(output.outputs[0].token_ids)
+            record["token_ids"] += new
+            record["token_times_s"] += [stamp] * len(new)
+    return {"duration_s": time.perf_counter() - start, "requests": out}
+
+
+def run_job(llm, job: dict[str, Any]) -> dict[str, Any]:
+    requests, sampling = job["requests"], job.get("sampling", {})
+    for _ in range(job.get("warmup", 0)):
+        serve_once(llm, requests, sampling)
+    runs = []
+    for _ in range(job.get("repeat", 1)):
+        if job.get("reset_prefix_cache", True):
+            llm.reset_prefix_cache()  # every run starts cold, like our prefix-cache engine
+        runs.append(serve_once(llm, requests, sampling))
+    return {"runs": runs}
+
+
+def _engine_facts(llm) -> dict[str, Any]:
+    """What the ready line reports about the engine as built."""
+    config = llm.llm_engine.vllm_config
+    return {"max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": config.scheduler_config.max_num_seqs,
+            "enforce_eager": config.model_config.enforce_eager,
+            "dtype": str(config.model_config.dtype).removeprefix("torch.")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="a Hugging Face model directory")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    answers = _protocol_stream()
+
+    def answer(message: dict[str, Any]) -> None:
+        answers.write(json.dumps(message) + "\n")
+
+    try:
+        import vllm
+        from vllm import LLM
+
+        options = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                                     ("max_num_seqs", args.max_num_seqs)) if v is not None}
+        llm = LLM(model=args.model, tokenizer=args.model, dtype=args.dtype, seed=args.seed,
+                  enforce_eager=args.enforce_eager, served_model_name=args.served_model_name,
+                  **options)
+    except Exception as exc:  # the parent shows this line, the traceback is in the log
+        import traceback
+
+        traceback.print_exc()
+        answer({"error": f"vLLM could not start: {type(exc).__name__}: {exc}"})
+        return 1
+    answer({"ready": True, "vllm_version": vllm.__version__, "pid": os.getpid(),
+            **_engine_facts(llm)})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            result = run_job(llm, json.loads(line))
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        answer(result)
+    return 0
+
+
+# vLLM's engine runs in a process of its own, started by spawning a fresh interpreter that
+# imports this file again: without the guard, that import would start another driver.
+if __name__ == "__main__":
+    sys.exit(main())
