@@ -2,31 +2,44 @@
 repro NN``.
 
 User errors (unknown names, empty or over-long prompts, unreadable input files, an ``--out``
-that cannot be written, impossible sampling values or devices) print one line to stderr and
-exit with status 2, and are checked before the model loads; anything else is a bug and keeps
-its traceback. Ctrl-C exits with status 130 and one line; ``bench`` and ``bench-serving``
+that cannot be written, impossible sampling values, devices or sizes, a port that cannot be
+listened on, a ``--base-url`` where no server answers) print one line to stderr and exit with
+status 2, and are checked before the model loads where they can be; anything else is a bug and
+keeps its traceback. Results are written whole or not at all (a temporary file, renamed). Ctrl-C exits with status 130 and one line; ``bench`` and ``bench-serving``
 first write what had finished (marked ``partial=True``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
+import socket
 import sys
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .core.errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
-from .core.inputs import check_output_path, check_text, read_jsonl
+from .core.inputs import check_output_path, check_text, read_jsonl, write_atomically
 
 if TYPE_CHECKING:
     import pandas as pd
+    import torch
 
     from .bench.serving import ServingResults
+    from .bench.serving.workloads import WorkloadConfig
+    from .core.models import LoadedModel
 
 USAGE_ERROR = 2
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+# Far past anything the book runs (batches of 64, workloads of a few hundred requests), and far
+# short of what a typo makes of them: a batch of 10**8 prompts allocates gigabytes before its
+# first step, a workload of 10**9 requests is made in memory before the first is sent.
+MAX_BATCH_SIZE = 4096
+MAX_NUM_REQUESTS = 100_000
 
 
 def _csv_ints(text: str) -> tuple[int, ...]:
@@ -57,6 +70,105 @@ def _range(text: str, name: str) -> tuple[int, int]:
         raise InvalidRequestError(f"{name}: expected a range LOW,HIGH of integers, got "
                                   f"{text!r}") from None
     return low, high
+
+
+def _check_at_most(values: tuple[int, ...] | int, limit: int, option: str) -> None:
+    for value in values if isinstance(values, tuple) else (values,):
+        if value > limit:
+            raise InvalidRequestError(f"{option} {value} is more than {limit:,}, the most it may "
+                                      f"be")
+
+
+def _check_fits_context(lm: LoadedModel, positions: int, what: str) -> None:
+    """A length no request of the model can have, found before anything that long is made."""
+    if positions > lm.max_context:
+        raise InvalidRequestError(f"{what}: {positions} positions, more than the model's "
+                                  f"context of {lm.max_context}")
+
+
+def _check_workload_lengths(lm: LoadedModel, workload: WorkloadConfig) -> None:
+    """Lengths that cannot fit the model whatever the random draws, found before a workload of
+    them is made (check_workload then checks each request of the workload that is made)."""
+    prompt_low, prompt_high = workload.prompt_len
+    output_low, output_high = workload.output_len
+    _check_fits_context(lm, prompt_low + output_low, "--prompt-len and --output-len at their "
+                                                     "lowest")
+    _check_fits_context(lm, prompt_high, "--prompt-len at its highest")
+    _check_fits_context(lm, output_high, "--output-len at its highest")
+    if workload.kind == "shared-prefix":
+        _check_fits_context(lm, workload.shared_prefix_len + prompt_low + output_low,
+                            "--shared-prefix-len with the shortest question and answer")
+    if workload.kind == "multi-turn":
+        # The last turn's prompt holds every earlier turn and reply.
+        _check_fits_context(lm, workload.turns * (prompt_low + output_low),
+                            f"--turns {workload.turns}: the last turn at its shortest")
+
+
+def _device_memory(device: torch.device) -> int:
+    """Bytes of memory the device has: the GPU's, or the machine's for the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_kv_cache_bytes(value: int | None, device: torch.device) -> None:
+    if value is None:
+        return
+    if value < 1:
+        raise InvalidRequestError(f"--kv-cache-bytes must be >= 1, got {value}")
+    memory = _device_memory(device)
+    if value > memory:
+        raise InvalidRequestError(f"--kv-cache-bytes {value:,} is more than the {memory:,} "
+                                  f"bytes of memory the {device.type} device has")
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Listen on ``host:port`` for a moment, so that a port in use or a host that is not this
+    machine's is found before the model loads (the server binds again when it starts)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OverflowError:
+        raise InvalidRequestError(f"--port must be in 0-65535, got {port}") from None
+    except OSError as exc:  # create_server re-raises a failed name lookup as OSError too
+        if exc.errno is not None and exc.errno < 0:  # getaddrinfo's EAI_* codes
+            reason = f"--host {host!r} is not a name or address this machine can resolve"
+        elif exc.errno == errno.EADDRINUSE:
+            reason = (f"port {port} is in use on {host}: stop what listens there, or give "
+                      f"another --port (0: any free port)")
+        elif exc.errno == errno.EADDRNOTAVAIL:
+            reason = f"--host {host} is not an address of this machine"
+        elif exc.errno == errno.EACCES:
+            reason = f"listening on port {port} needs privileges; use a port >= 1024"
+        else:
+            reason = f"cannot listen on {host}:{port} ({os.strerror(exc.errno or 0)})"
+        raise InvalidRequestError(reason) from None
+
+
+def _check_base_url(url: str) -> None:
+    """``url`` must be an http(s) URL where an OpenAI-compatible server answers ``/models``."""
+    import httpx
+
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port != 0  # None (the scheme's default) or a number in 1-65535
+    except ValueError:  # not a number, or out of range
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise InvalidRequestError(f"--base-url {url!r} is not an http(s) URL such as "
+                                  f"http://127.0.0.1:8000/v1")
+    models = url.rstrip("/") + "/models"
+    try:
+        response = httpx.get(models, timeout=10)
+    except httpx.HTTPError as exc:
+        raise InvalidRequestError(f"no server answers at --base-url {url} ({exc}); start one "
+                                  f"with python -m miniinfer serve") from None
+    if response.status_code != 200:
+        raise InvalidRequestError(f"--base-url {url}: GET {models} answered HTTP "
+                                  f"{response.status_code}, not an OpenAI-compatible /v1 "
+                                  f"server's list of models")
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -173,6 +285,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         check_bench_engine(name)
     options = {name: _runner_options(args, name) for name in args.engines}
     _check_model(args)
+    _check_at_most(args.batch_sizes, MAX_BATCH_SIZE, "--batch-sizes")
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                          warmup=args.warmup, repeat=args.repeat, chapter=args.chapter)
@@ -180,14 +293,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     def write(df: pd.DataFrame, partial: bool = False) -> int:
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            (df.assign(partial=True) if partial else df).to_csv(out, index=False)
+            table = df.assign(partial=True) if partial else df
+            write_atomically(out, lambda path: table.to_csv(path, index=False))
         return len(df)
 
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
+        _check_fits_context(lm, config.prompt_len + config.new_tokens,
+                            "--prompt-len plus --new-tokens")
         engines = {name: make_bench_engine(name, lm, **options[name]) for name in config.engines}
-        # The prompt must fit the model's context: found now, not after the bandwidth
+        # The prompt must fit each engine (its pool too): found now, not after the bandwidth
         # measurement.
         longest = make_prompts(lm, 1, config.prompt_len)
         for engine in engines.values():
@@ -213,8 +328,9 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
     from .bench.serving.workloads import read_dataset_texts
     from .core.models import load_model
 
-    # Every argument is checked before the model loads.
+    # Every argument is checked before the model loads, except lengths against its context.
     _check_model(args)
+    _check_at_most(args.num_requests, MAX_NUM_REQUESTS, "--num-requests")
     workload = WorkloadConfig(num_requests=args.num_requests,
                               prompt_len=_range(args.prompt_len, "--prompt-len"),
                               output_len=_range(args.output_len, "--output-len"),
@@ -241,18 +357,21 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
         out = check_output_path(args.out, "--out")
         for suffix in ("requests", "steps"):
             check_output_path(out.with_name(f"{out.stem}-{suffix}.csv"), "--out")
+    if args.base_url:
+        _check_base_url(args.base_url)
 
     def write(results: ServingResults, partial: bool = False) -> int:
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
             for df, path in ((results.runs, out),
                              (results.requests, out.with_name(f"{out.stem}-requests.csv")),
                              (results.steps, out.with_name(f"{out.stem}-steps.csv"))):
-                (df.assign(partial=True) if partial else df).to_csv(path, index=False)
+                table = df.assign(partial=True) if partial else df
+                write_atomically(path, lambda tmp, table=table: table.to_csv(tmp, index=False))
         return len(results.runs)
 
     try:
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
+        _check_workload_lengths(lm, workload)
         if args.base_url:  # chapter 10: the same workload, sent to a running server
             from .bench.serving.http import run_http_bench
 
@@ -270,18 +389,24 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from .core.models import resolve_device
     from .server import ServerConfig, run_server
 
     _runner_options(args, args.engine)
-    run_server(ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
-                            max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                            max_num_batched_tokens=args.max_num_batched_tokens,
-                            kv_cache_bytes=args.kv_cache_bytes,
-                            arrival_window_ms=args.arrival_window_ms, device=args.device,
-                            dtype=args.dtype, strict_fields=args.strict_fields,
-                            tensor_parallel=args.tensor_parallel,
-                            **({} if args.max_request_bytes is None else
-                               {"max_request_bytes": args.max_request_bytes})))
+    config = ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
+                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_bytes=args.kv_cache_bytes,
+                          arrival_window_ms=args.arrival_window_ms, device=args.device,
+                          dtype=args.dtype, strict_fields=args.strict_fields,
+                          tensor_parallel=args.tensor_parallel,
+                          **({} if args.max_request_bytes is None else
+                             {"max_request_bytes": args.max_request_bytes}))
+    # All before the model loads: a busy port must not cost a load, and then a traceback.
+    _check_model(args)
+    _check_kv_cache_bytes(args.kv_cache_bytes, resolve_device(args.device))
+    _check_listen(args.host, args.port)
+    run_server(config)
 
 
 def cmd_chapters(args: argparse.Namespace) -> None:

@@ -3,6 +3,8 @@ cache; the first run ever converts the GGUF, about 20 s)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from miniinfer import SamplingParams, load_model, make_engine
@@ -55,3 +57,25 @@ def hf_greedy(smollm2, template_prompts) -> dict[str, list[list[int]]]:
         "batched": hf.generate(template_prompts, params).token_ids,
         "single": [hf.generate([p], params).token_ids[0] for p in template_prompts],
     }
+
+
+# The tiny random model copies its input more than it writes: most prompts make it repeat one
+# token forever, so with SmolLM2's EOS it never stops. With <jupyter_start> (id 11, a special
+# token, dropped from decoded text like a real EOS) as its EOS, found by trying: greedy
+# decoding of [7275] emits EOS first, of [12482] fifth, and of [1630] never.
+TINY_EOS_ID = 11
+EOS_PROMPTS = {"first": [7275], "fifth": [12482], "never": [1630]}
+EOS_AT = {"first": 0, "fifth": 4, "never": None}
+
+
+@pytest.fixture(scope="session")
+def tiny_eos(tiny):
+    """``tiny`` (same weights) that stops on ``TINY_EOS_ID``; checked to still do what
+    ``EOS_AT`` says, so that a change to the model cannot quietly leave EOS untested."""
+    lm = dataclasses.replace(tiny, eos_token_id=TINY_EOS_ID)
+    greedy = make_engine("naive", lm).generate(
+        list(EOS_PROMPTS.values()), SamplingParams(max_new_tokens=8, ignore_eos=True)).token_ids
+    found = {name: ids.index(TINY_EOS_ID) if TINY_EOS_ID in ids else None
+             for name, ids in zip(EOS_PROMPTS, greedy, strict=True)}
+    assert found == EOS_AT, f"the tiny model no longer emits EOS where it did: {found}"
+    return lm

@@ -336,3 +336,24 @@ def test_logprobs_equal_log_softmax_of_hf_logits(tiny):
             assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
         assert request.cumulative_logprob == pytest.approx(
             sum(e.logprob for e in request.output_logprobs))
+
+
+def test_top_p_of_one_and_top_k_of_the_vocabulary_filter_nothing():
+    # The running sum of these probabilities is 1.0 in float32 long before the last token:
+    # a filter applied at top_p=1.0 would drop the unlikely ones.
+    logits = torch.tensor([[0.0, -100.0, -100.0, -120.0]])
+    assert filter_logits(logits, top_k=0, top_p=1.0).isfinite().all()
+    for top_k in (4, 5):
+        assert filter_logits(logits, top_k=top_k, top_p=1.0).isfinite().all()
+    # The k-th largest logit itself is kept.
+    assert filter_logits(logits, top_k=2, top_p=1.0).isfinite().tolist() == \
+        [[True, True, True, False]]  # a tie at the 2nd largest keeps both
+
+
+def test_generators_greedy_none_seeded_repeatable_unseeded_fresh():
+    cpu = torch.device("cpu")
+    assert make_generator(SamplingParams(), cpu) is None
+    assert make_generator(SamplingParams(temperature=1.0, seed=123), cpu).initial_seed() == 123
+    unseeded = {make_generator(SamplingParams(temperature=1.0), cpu).initial_seed()
+                for _ in range(3)}
+    assert len(unseeded) == 3  # each from fresh entropy, not one default seed

@@ -1,7 +1,7 @@
 """The one place files and text come in and results go out: input files read as UTF-8 (a BOM
 tolerated) with errors that name the file and line, text checked before the tokenizer sees it,
 and output paths checked before any work starts (a benchmark that runs for minutes must not
-fail at the end on its ``--out``)."""
+fail at the end on its ``--out``), then written whole or not at all."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .errors import InvalidRequestError
+
+# Prompt and dataset files are read whole. Real ones are kilobytes to a few hundred MB; a
+# bigger one is a mistake (a disk image, a log that keeps growing) that would exhaust memory.
+MAX_INPUT_BYTES = 1 << 30
 
 
 def check_input_file(path: str | Path, what: str) -> Path:
@@ -22,6 +27,10 @@ def check_input_file(path: str | Path, what: str) -> Path:
         raise InvalidRequestError(f"{what} {path} does not exist")
     if path.is_dir():
         raise InvalidRequestError(f"{what} {path} is a directory, not a file")
+    if not path.is_file():
+        # A FIFO blocks until someone writes to it, /dev/zero never ends: neither is a file.
+        raise InvalidRequestError(f"{what} {path} is not a regular file (a pipe, socket or "
+                                  f"device); give a file")
     if not os.access(path, os.R_OK):
         raise InvalidRequestError(f"{what} {path} is not readable (permission denied)")
     return path
@@ -31,9 +40,15 @@ def read_text(path: str | Path, what: str) -> str:
     """The file's text, decoded as UTF-8 whatever the locale says; a leading BOM is dropped."""
     path = check_input_file(path, what)
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            too_big = os.fstat(f.fileno()).st_size > MAX_INPUT_BYTES
+            # One byte more than allowed: a file that grows while it is read is seen too.
+            data = b"" if too_big else f.read(MAX_INPUT_BYTES + 1)
     except OSError as exc:
         raise InvalidRequestError(f"cannot read {what} {path}: {exc.strerror}") from None
+    if too_big or len(data) > MAX_INPUT_BYTES:
+        raise InvalidRequestError(f"{what} {path} is larger than {MAX_INPUT_BYTES >> 20} MiB, "
+                                  f"the most an input file may hold")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -116,3 +131,19 @@ def check_output_path(path: str | Path, what: str = "output file") -> Path:
         raise InvalidRequestError(f"{what} {path} cannot be written: no file can be created "
                                   f"in {parent} ({reason})") from None
     return path
+
+
+def write_atomically(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(temporary path)``, then the file renamed to ``path``: a reader, or a run
+    stopped halfway, never sees half a file, and an old file stays until the new one is
+    whole. Missing directories are created."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    # Created like any new file (mode 0o666 less the umask; mkstemp would make it 0o600).
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -58,8 +59,11 @@ class Engine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | None = None
     ) -> GenerationResult:
-        params = params or SamplingParams()
-        prompts = [list(p) for p in prompts]
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got "
+                                      f"{type(params).__name__}")
+        prompts = token_id_lists(prompts)
         self.validate(prompts, params)
         with torch.inference_mode():
             return self._generate(prompts, params)
@@ -108,6 +112,34 @@ class Engine:
                     f"{params.max_new_tokens} it needs {need} positions, more than the model's "
                     f"context of {self.lm.max_context}"
                 )
+
+
+def token_id_lists(prompts: object) -> list[list[int]]:
+    """``prompts`` as lists of Python ints: a sequence of prompts, each a sequence of integer
+    token ids. Integers of any kind are taken (numpy's, 0-d integer tensors); a string, a
+    float or a bool is refused (``True`` is an int to Python, but never a token the caller
+    meant)."""
+    def sequence(value: object, what: str) -> list:
+        if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+            raise InvalidRequestError(f"{what}, got {type(value).__name__}")
+        return list(value)
+
+    out = []
+    for i, prompt in enumerate(sequence(
+            prompts, "prompts must be a list of prompts, each a list of integer token ids")):
+        ids = []
+        for j, token in enumerate(sequence(
+                prompt, f"prompt {i} must be a list of integer token ids")):
+            try:
+                if isinstance(token, bool):
+                    raise TypeError
+                ids.append(operator.index(token))
+            except TypeError:
+                raise InvalidRequestError(f"prompt {i}: token {j} is {token!r} "
+                                          f"({type(token).__name__}), not an integer token "
+                                          f"id") from None
+        out.append(ids)
+    return out
 
 
 class StepClock:

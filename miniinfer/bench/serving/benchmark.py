@@ -73,9 +73,12 @@ class _Worker:
         self.executor = executor
         self.lock = threading.Lock()
         self.busy_thread: int | None = None  # the worker's id while it runs a call
+        self.interrupted = False  # Ctrl-C came before the worker started the call
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
         with self.lock:
+            if self.interrupted:
+                raise KeyboardInterrupt
             self.busy_thread = threading.get_ident()
         try:
             return fn(*args)
@@ -86,15 +89,20 @@ class _Worker:
                 self.busy_thread = None
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
-        future = self.executor.submit(self._call, fn, *args)
-        try:
+        self.interrupted = False
+        future = None
+        try:  # from the submit on: Ctrl-C may land after the call is queued
+            future = self.executor.submit(self._call, fn, *args)
             return future.result()
         except KeyboardInterrupt:
             with self.lock:
                 if self.busy_thread is not None:
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(
                         ctypes.c_ulong(self.busy_thread), ctypes.py_object(KeyboardInterrupt))
-            futures_wait([future])
+                else:  # not started yet: it must not start, or the executor waits for all of it
+                    self.interrupted = True
+            if future is not None:
+                futures_wait([future])
             raise
 
 
