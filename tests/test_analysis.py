@@ -405,3 +405,75 @@ def test_server_cost_p50_and_p99_of_the_paired_difference():
     p50 = stream["ttft_ms p50 diff"]
     assert lines[0].startswith(f"x, stream: HTTP adds {p50:+.1f} ms at p50") and lines[0].endswith("met)")
     assert "whole request" in lines[1] and lines[1].endswith("missed)")
+
+
+# -- the roofline (chapter 05; reused by 06 and 07) ------------------------------------------
+
+def test_decode_ops_count_the_flops_and_bytes_of_a_step(smollm2):
+    from miniinfer.book.roofline import OPS, decode_ops
+
+    ops = decode_ops(smollm2.config, batch_size=1, context_len=100).set_index("op")
+    assert list(ops.index) == list(OPS)
+    # Every weight is read once a step: the matmuls' weight bytes are the model's (less the
+    # norms, a few KB).
+    weights = ops.weight_bytes.sum()
+    assert 0.999 < weights / smollm2.weight_bytes <= 1.0
+    # A GEMV does 2 FLOPs per weight it reads (4 bytes in fp32): 0.5 FLOP per byte and a bit less.
+    assert ops.loc["QKV", "intensity"] == pytest.approx(0.5, rel=0.01)
+    eight = decode_ops(smollm2.config, batch_size=8, context_len=100).set_index("op")
+    assert eight.loc["gate/up", "flops"] == 8 * ops.loc["gate/up", "flops"]
+    assert 3.5 < eight.loc["gate/up", "intensity"] < 4.0
+    # Attention's intensity does not grow with the batch (each request reads its own K/V).
+    assert eight.loc["attention", "intensity"] == pytest.approx(ops.loc["attention", "intensity"])
+
+
+def test_op_times_attribute_every_matmul_of_a_step_by_its_order(tiny):
+    from miniinfer.book.roofline import record_op_times, roofline_sentences, roofline_table
+
+    ops = record_op_times(tiny, (1, 2), prompt_len=8, steps=2)
+    layers = tiny.config.num_hidden_layers
+    counts = ops[ops.batch_size == 1].set_index("op").count_per_step
+    assert counts.to_dict() == {"QKV": 3 * layers, "O": layers, "gate/up": 2 * layers,
+                                "down": layers, "LM head": 1, "attention": layers}
+    assert (ops.ms_per_step > 0).all() and (ops.context_len == 8 + 1 + 1.5).all()
+    table = roofline_table(tiny.config, ops, bandwidth_gbs=10.0, peak_gflops=100.0,
+                           batch_sizes=(1, 2, 32))
+    measured = table[table.ms_per_step.notna()]
+    assert set(measured.batch_size) == {1, 2} and table[table.batch_size == 32].ms_per_step.isna().all()
+    row = measured.iloc[0]
+    assert row.achieved_gflops == pytest.approx(row.flops / (row.ms_per_step / 1e3) / 1e9)
+    assert row.attainable_gflops == min(100.0, 10.0 * row.intensity)
+    lines = roofline_sentences(table, 10.0, 100.0)
+    assert lines[0].startswith("ridge point: 10.0 FLOP/byte")
+    assert any(line.startswith("batch 32: no measured point") for line in lines)
+
+
+def test_op_times_refuse_a_step_whose_matmuls_it_cannot_tell_apart(tiny):
+    from miniinfer.book.roofline import op_times
+    from miniinfer.core.errors import MiniInferError
+
+    trace = profile_decode(make_engine("paged-prealloc", tiny), make_prompts(tiny, 1, 8), steps=2)
+    with pytest.raises(MiniInferError, match="aten::mm per decode step"):
+        op_times(trace, tiny.config.num_hidden_layers + 1)
+
+
+def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
+    """What chapter 05 draws for a device recorded before -roofline.csv existed: the points of
+    its recorded traces, every matmul under half of both roofs (the chapter's headline)."""
+    from miniinfer.bench.profiling import load_trace
+    from miniinfer.book.roofline import recorded_trace_op_times, roofline_table
+
+    paths = sorted((book.RESULTS / "ch05").glob("cpu-*-paged-prealloc-b*.json.gz"))
+    if not paths:
+        pytest.skip("no recorded chapter 05 trace")
+    traces = {int(p.name.split("-b")[-1].split(".")[0]): load_trace(p) for p in paths}
+    ops = recorded_trace_op_times(traces, smollm2.config.num_hidden_layers, prompt_len=64)
+    speed = book.device_table().iloc[0]
+    table = roofline_table(smollm2.config, ops, speed.bandwidth_gbs, speed.peak_gflops)
+    top = _recorded_runs("05", "top")
+    for b in traces:
+        mm = top[(top.batch_size == b) & (top.name == "aten::mm")].ms_per_step.iloc[0]
+        matmuls = ops[(ops.batch_size == b) & (ops.op != "attention")].ms_per_step.sum()
+        assert matmuls == pytest.approx(mm, rel=1e-6)  # the same time, split by op
+    matmuls = table[(table.op != "attention") & table.ms_per_step.notna()]
+    assert ((matmuls.pct_of_bandwidth < 50) & (matmuls.pct_of_peak < 50)).all()

@@ -35,6 +35,7 @@ from .plots import (
     stage_color,
 )
 from .presets import Preset, preset
+from .references import POSTS, cite
 from .results import (
     RESULTS,
     ablation_table,
@@ -53,8 +54,8 @@ from .results import (
 )
 
 __all__ = [
-    "CHAPTERS", "CHAPTERS_DIR", "RESULTS", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",
-    "ablation_table", "attention_gather_ms", "book_style", "chapter_of_stage", "chapter_table", "chapters_markdown",
+    "CHAPTERS", "CHAPTERS_DIR", "POSTS", "RESULTS", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",
+    "ablation_table", "attention_gather_ms", "book_style", "chapter_of_stage", "chapter_table", "chapters_markdown", "cite",
     "class_diff", "context_phase_table", "context_sentences", "device_table",
     "experiment_sentences", "gap_sentences", "gap_table", "hf_ratio_sentences",
     "hf_ratio_table", "host_share", "host_share_sentences", "host_split", "load_note",

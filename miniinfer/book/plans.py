@@ -13,6 +13,7 @@ from ..bench.offline import BenchConfig
 from ..bench.serving import STEPPED_SYSTEMS, ServingBenchConfig
 from ..core.models import MODELS, dtype_name
 from .chapters import CHAPTERS
+from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
 from .workloads import (
     chapter05_profile_steps,
     default_workload,
@@ -125,6 +126,8 @@ def chapter05_plan(device: torch.device) -> ChapterPlan:
     seconds = (device_costs(device).load_s + bench_seconds(base, device, engines)
                + sum(profile_seconds(device, e, base.batch_sizes, base.prompt_len, steps)
                      for e in ("paged-prealloc", "paged-loop")))
+    if device.type == "cpu":  # the roofline's op times: 1 warm-up + 4 profiled steps each
+        seconds += profile_seconds(device, "paged-prealloc", ROOFLINE_BATCHES, base.prompt_len, 5)
     return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), engines, base.batch_sizes,
                        f"prompt {base.prompt_len} + {base.new_tokens} new; "
                        f"{steps} profiled steps", base.repeat, seconds)

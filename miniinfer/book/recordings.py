@@ -53,12 +53,16 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     """One row per engine x context length: plain decode ``step_ms``, ``decode_tok_s``,
     ``ttft_ms``, ``pct_of_hf`` (decode step, hf's over the engine's), the decode floor, and for
     paged stages ``<phase>_ms`` per step from a profiled run (``profiled_step_ms`` is that run's
-    step: the profiler adds its own cost per op, so read phases as shares of it)."""
+    step: the profiler adds its own cost per op, so read phases as shares of it), and
+    ``attention_gather_ms``, the block gather a reference paged attention does inside the
+    forward (0 for stages that gather in the engine, or for a kernel that reads blocks in
+    place)."""
     from ..bench.offline import make_prompts, own_threads, run_metrics
     from ..bench.profiling import phase_table, profile_decode
     from ..core.devices import LoadGuard, decode_floor, run_metadata
     from ..core.sampling import SamplingParams
     from ..engines import make_engine
+    from .analysis import attention_gather_ms
 
     made = {name: make_engine(name, lm) for name in engines}
     params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)
@@ -82,6 +86,7 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
                     phases = phase_table(trace).set_index("phase").ms_per_step
                     row |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
                             for k, v in phases.items()}
+                    row["attention_gather_ms"] = attention_gather_ms(trace)
                 measured[name] = row
         load.warn(f"context {context_len}")
         for name, row in measured.items():
@@ -116,10 +121,13 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
 
 def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
-    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; then
-    benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; on a
+    CPU, every op of a decode step timed at the roofline's batch sizes (``-roofline.csv``);
+    then benchmark hf vs paged-prealloc with ranges on and off in one run."""
     from ..bench.profiling import RangesOff, phase_repeats, profile_stages
     from ..engines import make_engine
+    from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
+    from .roofline import record_op_times
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
@@ -134,6 +142,10 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     if "device_ms_per_step" in prof.phases:  # CUDA: the device time of one profiled run
         phases = phases.merge(prof.phases[["batch_size", "phase", "device_ms_per_step"]],
                               on=["batch_size", "phase"], how="left")
+    # The roofline's achieved points: every op of a decode step timed at each of its batch
+    # sizes (a CPU's profile only: on a GPU an op's CPU span is its launch, see roofline).
+    roofline = (record_op_times(lm, ROOFLINE_BATCHES, base.prompt_len) if dev.type == "cpu"
+                else None)
     prealloc = make_engine("paged-prealloc", lm)
     config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
                      chapter="05")
@@ -144,8 +156,10 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
                           "git_sha", "date"]].to_dict()
     written = []
-    for kind, df in (("phases", phases), ("ops", prof.ops), ("top", prof.top),
-                     ("bench", bench)):
+    tables = [("phases", phases), ("ops", prof.ops), ("top", prof.top), ("bench", bench)]
+    if roofline is not None:
+        tables.append(("roofline", roofline))
+    for kind, df in tables:
         path = out_dir / f"{slug}-{kind}.csv"
         df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)
         written.append(path)
