@@ -225,3 +225,35 @@ def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
         if chapter.number >= "02" and chapter.stages:
             assert any(f'show_diff("{s}")' in t for s in chapter.stages for t in text), \
                 chapter.notebook
+
+
+# -- the callouts: what a CPU and a GPU show, before the first cell runs ----------------------
+
+
+def test_every_notebook_opens_with_its_recorded_callout():
+    from miniinfer.book.callouts import MARK, callout, notebook_callout
+
+    for number, chapter in CHAPTERS.items():
+        path = CHAPTERS_DIR / chapter.notebook
+        first = json.loads(path.read_text())["cells"][0]
+        lines = "".join(first["source"]).splitlines()
+        # The title, a blank line, then the callout.
+        assert lines[0].startswith(f"# Chapter {number} — ") and lines[2].startswith(f"> {MARK}")
+        expected = callout(number)
+        assert notebook_callout(path) == expected, (
+            f"{chapter.notebook}: its callout no longer matches the recorded rows; rewrite it "
+            f"with miniinfer.book.callouts.update_notebooks()")
+        cpu, gpu = expected.split("> **On a GPU you will see**")
+        assert cpu.count("\n> - ") == 2 and gpu.count("\n> - ") == 2, expected
+
+
+def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
+    from miniinfer.book.callouts import GPU_FIGURES, callout
+    from miniinfer.book.references import POSTS
+
+    for number, (key, _) in GPU_FIGURES.items():
+        text = callout(number)
+        if "(recorded)" in text.split("On a GPU")[1]:
+            continue  # a GPU row replaced the post's figure
+        if key:
+            assert POSTS[key].title in text
