@@ -477,3 +477,34 @@ def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
         assert matmuls == pytest.approx(mm, rel=1e-6)  # the same time, split by op
     matmuls = table[(table.op != "attention") & table.ms_per_step.notna()]
     assert ((matmuls.pct_of_bandwidth < 50) & (matmuls.pct_of_peak < 50)).all()
+
+
+# -- chapter 02: the memory paging saves -------------------------------------------------------
+
+def test_kv_reservation_matches_the_bytes_the_live_caches_hold(tiny):
+    from transformers import DynamicCache
+
+    from miniinfer.book.analysis import kv_reservation
+    from miniinfer.core.devices import kv_bytes_per_token
+    from miniinfer.core.sampling import SamplingParams
+    from miniinfer.engines.base import left_pad
+
+    lengths = (3, 16, 17, 40)
+    prompts = [make_prompts(tiny, 1, n, seed=i)[0] for i, n in enumerate(lengths)]
+    ids, mask = left_pad(prompts, tiny.pad_token_id, tiny.device)
+    cache = DynamicCache(config=tiny.config)
+    with torch.inference_mode():
+        tiny.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
+    hf_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    engine = make_engine("paged-loop", tiny, block_size=16, num_blocks=32)
+    pool = engine.kv_cache
+    with torch.inference_mode():
+        engine.prefill(list(range(len(prompts))), prompts, SamplingParams(max_new_tokens=1))
+    paged_bytes = (pool.num_blocks - pool.block_manager.num_free_blocks) * pool.nbytes // pool.num_blocks
+    table = kv_reservation(lengths, kv_bytes_per_token(tiny), 16)
+    assert list(table.reserved_MiB) == [hf_bytes / 2**20, paged_bytes / 2**20]
+    # 4 x 40 padded slots for 76 tokens; blocks of 16: 16 + 16 + 32 + 48 = 112 slots.
+    assert list(table.reserved_tokens) == [160, 112]
+    assert table.fragmentation_pct.iloc[0] == pytest.approx(100 * (1 - 76 / 160))
+    assert table.fragmentation_pct.iloc[1] == pytest.approx(100 * (1 - 76 / 112))
