@@ -508,3 +508,27 @@ def test_kv_reservation_matches_the_bytes_the_live_caches_hold(tiny):
     assert list(table.reserved_tokens) == [160, 112]
     assert table.fragmentation_pct.iloc[0] == pytest.approx(100 * (1 - 76 / 160))
     assert table.fragmentation_pct.iloc[1] == pytest.approx(100 * (1 - 76 / 112))
+
+
+# -- chapter 10: the server's own cost --------------------------------------------------------
+
+def test_server_cost_recording_pairs_each_request_in_process_and_over_http(tiny):
+    from miniinfer.bench.serving import WorkloadConfig
+    from miniinfer.book.recordings import record_server_cost
+    from miniinfer.server import ServerProcess
+
+    workload = WorkloadConfig(num_requests=3, prompt_len=(4, 12), output_len=(2, 4), seed=1)
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=64)
+    with ServerProcess("tiny", "--device", "cpu") as server:
+        cost = record_server_cost(tiny, engine, server.base_url, workload, warmup=1)
+    assert list(cost["mode"]) == ["stream", "no-stream"] * 3
+    assert list(cost.request[::2]) == [0, 1, 2]
+    stream, whole = cost[cost["mode"] == "stream"], cost[cost["mode"] == "no-stream"]
+    timed = ["in_process_e2e_ms", "http_e2e_ms"]
+    assert (cost[timed] > 0).all().all()
+    assert (stream[["in_process_ttft_ms", "http_ttft_ms"]] > 0).all().all()
+    assert whole[["in_process_ttft_ms", "http_ttft_ms"]].isna().all().all()
+    assert not engine.has_unfinished_requests()
+    table = analysis.server_cost_table(cost)
+    assert set(table.index.get_level_values("mode")) == {"stream", "no-stream"}
+    assert (table.requests == 3).all()

@@ -217,8 +217,7 @@ def test_load_trace_reads_a_gzipped_chrome_trace(tmp_path):
 
 
 def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
-    # Chapter 10 has no exercises yet (its notebook ends with "What we learned").
-    for chapter in (ch for ch in CHAPTERS.values() if ch.number != "10"):
+    for chapter in CHAPTERS.values():
         cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
         text = ["".join(c["source"]) for c in cells]
         assert any(t.startswith("## Exercises") for t in text), chapter.notebook

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -12,9 +13,10 @@ import pandas as pd
 import torch
 
 from ..bench.offline import run_bench, summary_table
-from ..bench.serving import ServingBenchConfig, run_serving_bench
+from ..bench.serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed
+from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
+from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .chapters import CHAPTERS
 from .results import RESULTS
@@ -24,6 +26,7 @@ from .workloads import (
     context_sweep,
     default_workload,
     prefix_cache_experiments,
+    server_cost_workload,
     serving_experiments,
 )
 
@@ -244,10 +247,14 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     """Chapter 08's ``target`` workload served by the same engine twice per round: in this
     process (``continuous``, as chapter 08 measures it) and over HTTP (``http``: a ``serve``
     child process on this machine, measured at the client), the order alternating between
-    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``."""
+    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``; then,
+    with the same server, the server's own cost per request (:func:`record_server_cost`,
+    ``-server-cost.csv``)."""
     from ..bench.serving import default_pool_bytes
     from ..bench.serving.http import run_http_bench
+    from ..engines import make_engine
     from ..server import ServerProcess
+    from .analysis import server_cost_sentences
 
     dev = resolve_device(device)
     model, experiments = serving_experiments(dev)
@@ -267,6 +274,12 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
                 requests.append(results.requests.assign(experiment="target", round=round_))
                 print(f"round {round_} {mode}:\n"
                       f"{serving_summary_table(results.runs).to_string(index=False)}")
+        # The server's own cost, where nothing queues: the same engine settings in-process.
+        cost = record_server_cost(lm, make_engine(
+            "continuous", lm, max_num_batched_tokens=target.max_num_batched_tokens[0],
+            kv_cache_bytes=target.kv_cache_bytes or default_pool_bytes(lm)), server.base_url,
+            server_cost_workload(dev))
+    print("\n".join(server_cost_sentences(cost)))
     table = pd.concat(runs, ignore_index=True)
     by_round = table.pivot_table(index="round", columns="system",
                                  values=["output_throughput", "ttft_p50_ms"])
@@ -277,12 +290,74 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     out_dir = RESULTS / "ch10"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True))):
+    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True)),
+                        ("server-cost", cost)):
         path = out_dir / f"{device_slug(dev)}-{kind}.csv"
         frame.to_csv(path, index=False)
         written.append(path)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
     return written
+
+
+def record_server_cost(lm: LoadedModel, engine, base_url: str, workload: WorkloadConfig,
+                       warmup: int = 3) -> pd.DataFrame:
+    """The server's own cost per request: each request of ``workload`` sent alone to an idle
+    engine, in this process (``engine``: a continuous engine configured as the server's) and
+    over HTTP to the server at ``base_url``, streamed and not; the in-process run comes first
+    for one request and last for the next, so that drift hits both sides alike. Two rows per
+    request, one per mode (``stream``: TTFT at the first chunk, and the whole request;
+    ``no-stream``: the whole request, one response at the end), each paired with the same
+    in-process run (in this process there is nothing to stream), times in ms as each side's
+    client sees them. Nothing else runs meanwhile: what HTTP adds is the server's work
+    (parsing, the queue hop to its engine thread, its arrival window, detokenizing, the socket)
+    and the client's."""
+    import httpx
+
+    from ..bench.serving import make_workload, request_table, serve_continuous
+    from ..bench.serving.http import serve_http
+
+    requests = [replace(w, arrival_s=0.0) for w in make_workload(lm, workload)]
+
+    def in_process(w) -> dict[str, float]:
+        row = request_table(serve_continuous(engine, [w])).iloc[0]
+        return {"in_process_ttft_ms": row.ttft_ms, "in_process_e2e_ms": row.e2e_ms}
+
+    def streamed(w) -> dict[str, float]:
+        row = request_table(serve_http(base_url, lm.name, [w])).iloc[0]
+        return {"stream_ttft_ms": row.ttft_ms, "stream_e2e_ms": row.e2e_ms}
+
+    client = httpx.Client(base_url=base_url, timeout=None)
+
+    def whole(w) -> dict[str, float]:
+        body = {"model": lm.name, "prompt": w.prompt_ids, "max_tokens": w.max_new_tokens,
+                "temperature": 0, "ignore_eos": True}
+        start = time.perf_counter()
+        response = client.post("/completions", json=body)
+        e2e = (time.perf_counter() - start) * 1e3
+        response.raise_for_status()
+        generated = response.json()["usage"]["completion_tokens"]
+        if generated != w.max_new_tokens:
+            raise MiniInferError(f"request {w.index}: the server generated {generated} tokens, "
+                                 f"asked {w.max_new_tokens}")
+        return {"whole_e2e_ms": e2e}
+
+    with client:
+        for w in requests[:warmup]:  # allocator, kernels and connections warm on both sides
+            in_process(w), streamed(w), whole(w)
+        rows = []
+        for i, w in enumerate(requests):
+            runs = (in_process, streamed, whole) if i % 2 == 0 else (streamed, whole, in_process)
+            t = {k: v for run in runs for k, v in run(w).items()}
+            common = {"request": w.index, "prompt_len": len(w.prompt_ids),
+                      "output_len": w.max_new_tokens, "in_process_e2e_ms": t["in_process_e2e_ms"]}
+            rows.append({**common, "mode": "stream", "in_process_ttft_ms": t["in_process_ttft_ms"],
+                         "http_ttft_ms": t["stream_ttft_ms"], "http_e2e_ms": t["stream_e2e_ms"]})
+            # One response at the end: no first chunk to time.
+            rows.append({**common, "mode": "no-stream", "in_process_ttft_ms": float("nan"),
+                         "http_ttft_ms": float("nan"), "http_e2e_ms": t["whole_e2e_ms"]})
+    meta = run_metadata(lm.device)
+    return pd.DataFrame(rows).assign(chapter="10", model=lm.name, dtype=dtype_name(lm.dtype),
+                                      base_url=base_url, **meta)
 
 
 def _reads_results_only(chapter: str, device: torch.device) -> list[Path]:

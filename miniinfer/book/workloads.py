@@ -138,3 +138,12 @@ def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, Servi
             replace(shared, num_requests=16 * scale, output_len=(32, 64), shared_prefix_len=n),
             pair, chapter="09", **options)
     return default_model(device), experiments
+
+
+def server_cost_workload(device: torch.device) -> WorkloadConfig:
+    """Chapter 10's server-cost measurement: each request alone, in-process and over HTTP;
+    enough of them for a p99 (at least 50), with answers short enough that one takes about a
+    second on a CPU (shorter still on a GPU, where the whole repro must fit 20 minutes)."""
+    if device.type == "cuda":
+        return WorkloadConfig(num_requests=50, prompt_len=(16, 128), output_len=(2, 6), seed=10)
+    return WorkloadConfig(num_requests=60, prompt_len=(16, 256), output_len=(8, 24), seed=10)
