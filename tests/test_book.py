@@ -256,3 +256,26 @@ def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
             continue  # a GPU row replaced the post's figure
         if key:
             assert POSTS[key].title in text
+
+
+def test_every_notebook_that_quotes_a_reference_post_cites_it():
+    from miniinfer.book.references import POSTS
+
+    by_word = {"mini-infer": ["mini-infer"], "roseinfer": ["roseinfer-perf", "roseinfer-paged"],
+               "wde": ["wde"]}
+    for chapter in CHAPTERS.values():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells)
+        for word, keys in by_word.items():
+            if word in text:
+                assert any(POSTS[k].title in text for k in keys), \
+                    f"{chapter.notebook} quotes the {word} post without citing it"
+    assert "https://github.com/noooop/wde" in (CHAPTERS_DIR / CHAPTERS["08"].notebook).read_text()
+
+
+def test_chapter_00_has_the_glossary():
+    cells = json.loads((CHAPTERS_DIR / CHAPTERS["00"].notebook).read_text())["cells"]
+    glossary = next("".join(c["source"]) for c in cells
+                    if "".join(c["source"]).startswith("## Glossary"))
+    for term in ("TTFT", "TPOT", "ITL", "goodput", "block", "slot mapping", "roofline", "GQA"):
+        assert f"**{term}**" in glossary, term
