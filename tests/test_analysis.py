@@ -194,7 +194,7 @@ def test_host_split_and_timeline_lanes():
 # independently: a re-recording that changes a result changes the sentence, never contradicts it.
 
 from miniinfer import book  # noqa: E402
-from miniinfer.book import analysis  # noqa: E402
+from miniinfer.book import analysis, profiles  # noqa: E402
 
 BENCH_CHAPTERS = ("01", "02", "03", "04", "06", "07")
 
@@ -313,13 +313,13 @@ def test_ch04_prealloc_bookkeeping_grows_with_the_context_as_the_text_says():
 def test_ch05_sentences_follow_the_gap_table():
     bench, phases = _recorded_runs("05", "bench"), _recorded_runs("05", "phases")
     for name, dev in bench.groupby("device_name"):
-        gap = analysis.gap_table(dev, phases[phases.device_name == name])
-        cost = analysis.profiler_cost_sentences(gap)
+        gap = profiles.gap_table(dev, phases[phases.device_name == name])
+        cost = profiles.profiler_cost_sentences(gap)
         for (b, r), line in zip(gap.iterrows(), cost, strict=True):
             # The profiler cannot speed a step up: a shorter profiled step is called drift.
             assert ("*shorter*" in line) == (r["profiled / plain"] < 1), line
             assert line.startswith(f"batch {b}: the profiled step took {r['profiled / plain']:.2f}x")
-        lines = analysis.gap_sentences(dev, gap)
+        lines = profiles.gap_sentences(dev, gap)
         covers = [line for line in lines if "covers the gap" in line]
         exceeds = [line for line in lines if "exceeds all non-forward work" in line]
         assert len(covers) == (gap["gap to hf ms"] <= gap["non-forward ms, scaled to plain"]).sum()
@@ -328,22 +328,22 @@ def test_ch05_sentences_follow_the_gap_table():
 
 def test_ch06_ch07_host_share_is_what_chapter_05_recorded():
     phases = _recorded_runs("05", "phases")
-    share = analysis.host_share(phases)
+    share = profiles.host_share(phases)
     for (name, b), r in share.iterrows():
         ms = phases[(phases.device_name == name) & (phases.batch_size == b)].set_index("phase")
         assert r.host_ms == pytest.approx(ms.ms_per_step["decode_step"]
                                           - ms.ms_per_step["model_forward"])
     on_cpu = phases[phases.device.astype(str).str.startswith("cpu")]
     # Chapters 06 and 07 say the host's share on a CPU is under 5% of a step.
-    assert (analysis.host_share(on_cpu).host_pct < 5).all()
-    line = analysis.host_share_sentences(phases)[0]
+    assert (profiles.host_share(on_cpu).host_pct < 5).all()
+    line = profiles.host_share_sentences(phases)[0]
     assert f"at most {share.host_pct.max():.1f}% of a step" in line
 
 
 @pytest.mark.parametrize("engine,gathers", [("paged-attention", True), ("paged-prealloc", False)])
 def test_ch06_attention_gather_is_counted_where_the_reference_does_it(tiny, engine, gathers):
     trace = profile_decode(make_engine(engine, tiny), make_prompts(tiny, 2, 40), steps=2)
-    assert (analysis.attention_gather_ms(trace) > 0) == gathers
+    assert (profiles.attention_gather_ms(trace) > 0) == gathers
 
 
 def test_ch08_budget_sentences_follow_the_sweep():

@@ -3,18 +3,12 @@ of every device, the analysis and figures drawn from them, and each stage as a d
 
 from .analysis import (
     SWEEP_PHASES,
-    attention_gather_ms,
     context_phase_table,
     context_sentences,
     experiment_sentences,
-    gap_sentences,
-    gap_table,
     hf_ratio_sentences,
     hf_ratio_table,
-    host_share,
-    host_share_sentences,
     host_split,
-    profiler_cost_sentences,
     roof_sentences,
     step_growth_sentence,
     trend,
@@ -28,13 +22,20 @@ from .plots import (
     plot_by_device,
     plot_context_sweep,
     plot_phase_bars,
-    plot_roofline,
     plot_stage_results,
     plot_timelines,
     plot_what_it_buys,
     stage_color,
 )
 from .presets import Preset, preset
+from .profiles import (
+    attention_gather_ms,
+    gap_sentences,
+    gap_table,
+    host_share,
+    host_share_sentences,
+    profiler_cost_sentences,
+)
 from .references import POSTS, cite
 from .results import (
     RESULTS,
@@ -52,6 +53,7 @@ from .results import (
     this_device_or_live,
     tok_s_table,
 )
+from .roofline import plot_roofline
 
 __all__ = [
     "CHAPTERS", "CHAPTERS_DIR", "POSTS", "RESULTS", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from . import analysis
+from .profiles import host_share
 from .references import POSTS
 from .results import RESULTS, read_results, recorded_context_sweeps, recorded_results
 from .roofline import FAR_BELOW
@@ -143,7 +144,7 @@ def _ch05(gpu: bool) -> list[str] | None:
     phases = _on(_runs("05", "phases"), gpu)
     if phases.empty:
         return None
-    share = analysis.host_share(phases)
+    share = host_share(phases)
     forward = 100 * share.forward_ms / share.step_ms
     first = (f"the model forward is {forward.min():.0f}-{forward.max():.0f}% of a decode step; "
              f"everything else the host does, {share.host_pct.min():.1f}-"

@@ -65,7 +65,7 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     from ..core.devices import LoadGuard, decode_floor, run_metadata
     from ..core.sampling import SamplingParams
     from ..engines import make_engine
-    from .analysis import attention_gather_ms
+    from .profiles import attention_gather_ms
 
     made = {name: make_engine(name, lm) for name in engines}
     params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)

@@ -219,6 +219,64 @@ def roofline_sentences(table: pd.DataFrame, bandwidth_gbs: float, peak_gflops: f
     return lines
 
 
+def plot_roofline(table: pd.DataFrame, bandwidth_gbs: float, peak_gflops: float, title: str):
+    """The roofline of a decode step (:func:`miniinfer.book.roofline.roofline_table`): the two
+    roofs of the device, every op at every batch size at its arithmetic intensity, hollow where
+    the roofline puts it (what it could reach) and filled where it was measured (what it did),
+    a dotted line between the two. An op's colour is :data:`OP_COLORS`'; its batch size is the
+    number beside the point."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .plots import OP_COLORS, WIDTH, book_style
+
+    with book_style():
+        fig, ax = plt.subplots(figsize=(WIDTH * 0.8, 5.0))
+        lo = min(0.1, table.intensity.min() / 2)
+        hi = max(200.0, table.intensity.max() * 2)
+        x = np.geomspace(lo, hi, 200)
+        ax.plot(x, np.minimum(peak_gflops, bandwidth_gbs * x), "k-", lw=1.5)
+        ax.annotate(f"{bandwidth_gbs:.0f} GB/s", (lo * 1.5, bandwidth_gbs * lo * 2.2),
+                    rotation=32, fontsize=9)
+        ax.annotate(f"peak {peak_gflops:.0f} GFLOP/s", (hi / 1.3, peak_gflops / 1.25),
+                    fontsize=9, ha="right", va="top")
+        # Ops of one batch size share an intensity (about batch / 2 in fp32): each op is drawn
+        # a few percent to the right of the one before so that none hides another.
+        ops = list(dict.fromkeys(table.op))
+        for op, rows in table.groupby("op", sort=False):
+            color = OP_COLORS.get(op, "#7f7f7f")
+            shift = 1.07 ** (ops.index(op) - (len(ops) - 1) / 2)
+            ax.scatter(rows.intensity * shift, rows.attainable_gflops, facecolors="none",
+                       edgecolors=color, s=36)
+            measured = rows[rows.achieved_gflops.notna()]
+            ax.scatter(measured.intensity * shift, measured.achieved_gflops, color=color, s=36,
+                       label=op)
+            for r in measured.itertuples():
+                ax.plot([r.intensity * shift] * 2, [r.achieved_gflops, r.attainable_gflops], ":",
+                        color=color, lw=1)
+        matmuls = table[table.op != "attention"].groupby("batch_size")
+        for b, rows in matmuls:
+            ax.annotate(f"batch {b}", (rows.intensity.min() / 1.15, rows.attainable_gflops.max()),
+                        textcoords="offset points", xytext=(0, 8), fontsize=8, ha="center")
+        attention = table[table.op == "attention"]
+        if len(attention):
+            ax.annotate("attention:\nany batch", (attention.intensity.median(),
+                                                    attention.attainable_gflops.median()),
+                        textcoords="offset points", xytext=(-8, 10), fontsize=8, ha="right",
+                        color=OP_COLORS["attention"])
+        achieved = table.achieved_gflops.dropna()
+        ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)",
+               ylabel="GFLOP/s", title=title, xlim=(lo, hi),
+               ylim=(max(0.5, achieved.min() / 3) if len(achieved) else 0.5, peak_gflops * 3))
+        handles, labels = ax.get_legend_handles_labels()
+        handles += [plt.Line2D([], [], marker="o", ls="", mfc="none", mec="k"),
+                    plt.Line2D([], [], marker="o", ls="", color="k")]
+        labels += ["roofline (could reach)", "measured (did)"]
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+        fig.tight_layout()
+    return fig
+
+
 @dataclass(slots=True)
 class DeviceRoofline:
     """One recorded device's roofline of a decode step, as chapters 05-07 draw it."""
@@ -246,8 +304,6 @@ class DeviceRoofline:
         return [head, *roofline_sentences(self.table, self.bandwidth_gbs, self.peak_gflops)]
 
     def plot(self):
-        from .plots import plot_roofline
-
         return plot_roofline(self.table, self.bandwidth_gbs, self.peak_gflops,
                              f"a decode step on {self.device_name} ({self.dtype})")
 
