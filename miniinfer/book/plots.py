@@ -87,10 +87,17 @@ def batch_colors(batches) -> dict[int, str]:
 @contextmanager
 def book_style() -> Iterator[None]:
     """The book's matplotlib settings for the figures drawn inside (notebook cells use it too)."""
-    import matplotlib.pyplot as plt
+    import matplotlib
 
-    with plt.rc_context(STYLE):
+    # Only the style's own settings are restored, not every setting as rc_context would: a
+    # notebook's inline backend starts at the first figure, inside this block, and switches
+    # interactive mode on; restoring that too would keep every later figure from being shown.
+    saved = {key: matplotlib.rcParams[key] for key in STYLE}
+    matplotlib.rcParams.update(STYLE)
+    try:
         yield
+    finally:
+        matplotlib.rcParams.update(saved)
 
 
 def legend_outside(ax, **kwargs) -> None:
