@@ -186,3 +186,349 @@ def test_host_split_and_timeline_lanes():
     assert split.bookkeeping_pct == 25 and split.between_steps_ms == 2
     labels = [t.get_text() for t in plot_timelines(bars).axes[0].get_yticklabels()]
     assert labels == ["a: host", "a: forward"]
+
+
+# -- every comparison sentence agrees with the recorded CSV it is printed from -------------
+# Each test reads a chapter's recorded results (whatever the latest `make chapter-NN` wrote),
+# generates the chapter's sentences and checks each claim against the numbers, computed here
+# independently: a re-recording that changes a result changes the sentence, never contradicts it.
+
+from miniinfer import book  # noqa: E402
+from miniinfer.book import analysis, profiles  # noqa: E402
+
+BENCH_CHAPTERS = ("01", "02", "03", "04", "06", "07")
+
+
+def _recorded_runs(chapter: str, kind: str) -> pd.DataFrame:
+    files = sorted((book.RESULTS / f"ch{chapter}").glob(f"*-{kind}.csv"))
+    if not files:
+        pytest.skip(f"chapter {chapter} has no recorded {kind}")
+    return pd.concat([book.read_results(f) for f in files], ignore_index=True)
+
+
+@pytest.mark.parametrize("chapter", BENCH_CHAPTERS + ("05",))
+def test_pct_of_hf_and_the_tok_s_ratio_never_disagree_in_sign(chapter):
+    df = book.recorded_results(chapter) if chapter != "05" else _recorded_runs("05", "bench")
+    if df.empty:
+        pytest.skip(f"chapter {chapter} not recorded")
+    table = analysis.hf_ratio_table(df)
+    assert table.agree.all(), table[~table.agree]
+    lines = iter(analysis.hf_ratio_sentences(df))
+    for (device, batch, engine), r in table.iterrows():
+        if engine == "hf":
+            continue
+        line = next(lines)
+        assert line.startswith(f"{device}, batch {batch}: {engine} at {r.pct_of_hf:.0f}%")
+        assert f"{r.tok_s_pct_of_hf:.0f}% as a ratio of median tok/s" in line
+        # The verdict, from the per-repeat range alone.
+        if r.pct_of_hf_min > 100:
+            assert line.endswith(f"every repeat favoured {engine}")
+            assert r.pct_of_hf > 100 and r.tok_s_pct_of_hf > 100
+        elif r.pct_of_hf_max < 100:
+            assert line.endswith("every repeat favoured hf")
+            assert r.pct_of_hf < 100 and r.tok_s_pct_of_hf < 100
+        else:
+            assert line.endswith("within noise")
+
+
+def test_hf_verdict_rests_on_the_range_not_on_either_median():
+    df = pd.DataFrame({"device_name": "x", "batch_size": 8, "engine": ["hf", "a", "b"],
+                       "tok_s": [100.0, 97.0, 120.0], "pct_of_hf": [100.0, 101.0, 119.0],
+                       "pct_of_hf_min": [100.0, 90.0, 104.0], "pct_of_hf_max": [100.0, 110.0, 130.0]})
+    table = analysis.hf_ratio_table(df).loc[("x", 8)]
+    # a: the median ratio says 101%, the ratio of medians 97%: opposite sides, one verdict.
+    assert table.loc["a", "verdict"] == "within noise" and table.loc["a", "agree"]
+    assert table.loc["b", "verdict"] == "faster" and table.loc["b", "agree"]
+    bad = df.assign(tok_s=[100.0, 97.0, 95.0])  # every repeat faster, yet a slower median
+    assert not analysis.hf_ratio_table(bad).loc[("x", 8, "b"), "agree"]
+
+
+def test_ch01_roof_sentences_say_what_the_step_is_against_both_roofs():
+    df = book.recorded_results("01")
+    if df.empty:
+        pytest.skip("chapter 01 not recorded")
+    hf = df[df.engine == "hf"].sort_values(["device_name", "batch_size"])
+    lines = analysis.roof_sentences(df)
+    assert len(lines) == len(hf)
+    for line, r in zip(lines, hf.itertuples(), strict=True):
+        over_memory, over_compute = r.step_ms / r.floor_memory_ms, r.step_ms / r.floor_compute_ms
+        assert f"{over_memory:.1f}x the memory roof" in line
+        assert f"{over_compute:.1f}x the compute roof" in line
+        far = min(over_memory, over_compute) > analysis.BINDS_WITHIN
+        assert line.endswith("neither roof binds: the step runs far below both") == far
+    synthetic = pd.DataFrame({"device_name": "x", "engine": "hf", "batch_size": [1, 8],
+                              "step_ms": [12.0, 80.0], "floor_memory_ms": [11.0, 11.5],
+                              "floor_compute_ms": [1.5, 60.0]})
+    first, second = analysis.roof_sentences(synthetic)
+    assert first.endswith("the memory roof binds") and second.endswith("the compute roof binds")
+
+
+def test_ch02_paged_loop_trend_with_the_batch_is_the_recorded_one():
+    df = book.recorded_results("02")
+    if df.empty:
+        pytest.skip("chapter 02 not recorded")
+    for _, dev in df[df.engine == "paged-loop"].groupby("device_name"):
+        pct = dev.set_index("batch_size").pct_of_hf.sort_index()
+        steps = pct.diff().dropna()
+        expected = ("falls" if (steps <= 0).all() else "rises" if (steps >= 0).all()
+                    else "not monotonic")
+        assert analysis.trend(pct) == expected
+
+
+def test_trend_names_each_shape():
+    assert analysis.trend(pd.Series([1.0, 2.0, 2.0, 5.0])) == "rises"
+    assert analysis.trend(pd.Series([5.0, 2.0, 1.0])) == "falls"
+    assert analysis.trend(pd.Series([175.0, 252.0, 245.0])) == "not monotonic"
+
+
+@pytest.mark.parametrize("chapter", ("03", "04", "06"))
+def test_context_sweep_sentences_quote_the_sweep(chapter):
+    sweep = book.recorded_context_sweeps(chapter)
+    if sweep.empty:
+        pytest.skip(f"chapter {chapter} has no context sweep")
+    lines = analysis.context_sentences(sweep)
+    for _, dev in sweep.groupby("device_name"):
+        short, long = dev.context_len.min(), dev.context_len.max()
+        for engine, rows in dev.groupby("engine"):
+            rows = rows.set_index("context_len")
+            line = next(x for x in lines if x.startswith(f"  {engine}:"))
+            assert (f"decode step {rows.step_ms[short]:.1f} -> {rows.step_ms[long]:.1f} ms"
+                    in line)
+            if engine.startswith("paged-attention") and (
+                    "attention_gather_ms" not in rows or rows.attention_gather_ms.isna().any()):
+                # The engine's write alone is not the stage's K/V bookkeeping on a CPU.
+                assert "did not record the gather" in line
+
+
+def test_ch04_prealloc_bookkeeping_grows_with_the_context_as_the_text_says():
+    sweep = book.recorded_context_sweeps("04")
+    if sweep.empty:
+        pytest.skip("chapter 04 has no context sweep")
+    for _, dev in sweep[sweep.engine == "paged-prealloc"].groupby("device_name"):
+        kv = dev.set_index("context_len")[["gather_batch_kv_ms", "build_cache_ms",
+                                           "write_decode_kv_ms"]].sum(axis=1).sort_index()
+        assert kv.iloc[-1] > kv.iloc[0]
+
+
+def test_ch05_sentences_follow_the_gap_table():
+    bench, phases = _recorded_runs("05", "bench"), _recorded_runs("05", "phases")
+    for name, dev in bench.groupby("device_name"):
+        gap = profiles.gap_table(dev, phases[phases.device_name == name])
+        cost = profiles.profiler_cost_sentences(gap)
+        for (b, r), line in zip(gap.iterrows(), cost, strict=True):
+            # The profiler cannot speed a step up: a shorter profiled step is called drift.
+            assert ("*shorter*" in line) == (r["profiled / plain"] < 1), line
+            assert line.startswith(f"batch {b}: the profiled step took {r['profiled / plain']:.2f}x")
+        lines = profiles.gap_sentences(dev, gap)
+        covers = [line for line in lines if "covers the gap" in line]
+        exceeds = [line for line in lines if "exceeds all non-forward work" in line]
+        assert len(covers) == (gap["gap to hf ms"] <= gap["non-forward ms, scaled to plain"]).sum()
+        assert len(exceeds) == (gap["gap to hf ms"] > gap["non-forward ms, scaled to plain"]).sum()
+
+
+def test_ch06_ch07_host_share_is_what_chapter_05_recorded():
+    phases = _recorded_runs("05", "phases")
+    share = profiles.host_share(phases)
+    for (name, b), r in share.iterrows():
+        ms = phases[(phases.device_name == name) & (phases.batch_size == b)].set_index("phase")
+        assert r.host_ms == pytest.approx(ms.ms_per_step["decode_step"]
+                                          - ms.ms_per_step["model_forward"])
+    on_cpu = phases[phases.device.astype(str).str.startswith("cpu")]
+    # Chapters 06 and 07 say the host's share on a CPU is under 5% of a step.
+    assert (profiles.host_share(on_cpu).host_pct < 5).all()
+    line = profiles.host_share_sentences(phases)[0]
+    assert f"at most {share.host_pct.max():.1f}% of a step" in line
+
+
+@pytest.mark.parametrize("engine,gathers", [("paged-attention", True), ("paged-prealloc", False)])
+def test_ch06_attention_gather_is_counted_where_the_reference_does_it(tiny, engine, gathers):
+    trace = profile_decode(make_engine(engine, tiny), make_prompts(tiny, 2, 40), steps=2)
+    assert (profiles.attention_gather_ms(trace) > 0) == gathers
+
+
+def test_ch08_budget_sentences_follow_the_sweep():
+    runs = _recorded_runs("08", "runs")
+    budget = runs[runs.experiment == "budget"]
+    lines = analysis.trend_sentences(budget, "max_num_batched_tokens",
+                                     ("output_throughput", "tpot_p50_ms", "itl_p99_ms"), "budget")
+    for _, dev in budget.groupby("device_name"):
+        dev = dev.sort_values("max_num_batched_tokens")
+        for metric, label in (("tpot_p50_ms", "TPOT p50"), ("itl_p99_ms", "ITL p99"),
+                              ("output_throughput", "output tokens/s")):
+            diffs = dev[metric].diff().dropna()
+            shape = ("rises" if (diffs >= 0).all() else "falls" if (diffs <= 0).all()
+                     else "not monotonic")
+            assert any(line.startswith(f"  {label} {shape}:") for line in lines), (metric, lines)
+
+
+@pytest.mark.parametrize("chapter", ("08", "09", "10"))
+def test_experiment_sentences_count_the_requests_each_run_served(chapter):
+    runs, requests = _recorded_runs(chapter, "runs"), _recorded_runs(chapter, "requests")
+    lines = analysis.experiment_sentences(runs, requests)
+    for (name, experiment), dev in runs.groupby(["device_name", "experiment"], sort=False):
+        line = next(x for x in lines if x.startswith(f"{name}, {experiment}:"))
+        counts = "/".join(map(str, sorted(set(dev.num_requests.astype(int)))))
+        assert f"{counts} requests per run" in line
+        reqs = requests[(requests.device_name == name) & (requests.experiment == experiment)]
+        per_system = reqs.groupby("system").agg(n=("request", "count"),
+                                                p=("prompt_len", "sum"), o=("output_len", "sum"))
+        if dev.system.nunique() > 1:
+            assert ("NOT the same" in line) == (len(per_system.drop_duplicates()) > 1)
+
+
+def test_ch10_http_sentences_refuse_an_overhead_the_workload_cannot_resolve():
+    runs = _recorded_runs("10", "runs")
+    lines = analysis.http_throughput_sentences(runs)
+    groups = runs.groupby(["device_name", "model"], sort=False)
+    for (_, dev), line in zip(groups, lines[1::2], strict=True):  # two lines per device
+        by_round = dev.pivot_table(index="round", columns="system", values="ttft_p50_ms")
+        diff = by_round.http - by_round.continuous
+        assert line.startswith("  TTFT p50")
+        wide = diff.max() - diff.min() > analysis.HTTP_OVERHEAD_GOAL_MS
+        assert ("cannot measure the server's own cost" in line) == wide
+        assert not any("overhead" in x and "met" in x for x in lines)
+
+
+def test_server_cost_p50_and_p99_of_the_paired_difference():
+    n = 60
+    cost = pd.DataFrame({"device_name": "x", "mode": ["stream"] * n + ["no-stream"] * n,
+                         "in_process_ttft_ms": [50.0] * n + [float("nan")] * n,
+                         "http_ttft_ms": [50.0 + i / 10 for i in range(n)] + [float("nan")] * n,
+                         "in_process_e2e_ms": [500.0] * 2 * n,
+                         "http_e2e_ms": [503.0] * n + [500.0 + i for i in range(n)]})
+    table = analysis.server_cost_table(cost)
+    stream, plain = table.loc[("x", "stream")], table.loc[("x", "no-stream")]
+    assert stream["ttft_ms p50 diff"] == pytest.approx(pd.Series(range(n)).median() / 10)
+    assert plain["e2e_ms p99 diff"] == pytest.approx(pd.Series(range(n), dtype=float).quantile(0.99))
+    assert pd.isna(plain.get("ttft_ms p50 diff"))
+    lines = analysis.server_cost_sentences(cost)
+    p50 = stream["ttft_ms p50 diff"]
+    assert lines[0].startswith(f"x, stream: HTTP adds {p50:+.1f} ms at p50") and lines[0].endswith("met)")
+    assert "whole request" in lines[1] and lines[1].endswith("missed)")
+
+
+# -- the roofline (chapter 05; reused by 06 and 07) ------------------------------------------
+
+def test_decode_ops_count_the_flops_and_bytes_of_a_step(smollm2):
+    from miniinfer.book.roofline import OPS, decode_ops
+
+    ops = decode_ops(smollm2.config, batch_size=1, context_len=100).set_index("op")
+    assert list(ops.index) == list(OPS)
+    # Every weight is read once a step: the matmuls' weight bytes are the model's (less the
+    # norms, a few KB).
+    weights = ops.weight_bytes.sum()
+    assert 0.999 < weights / smollm2.weight_bytes <= 1.0
+    # A GEMV does 2 FLOPs per weight it reads (4 bytes in fp32): 0.5 FLOP per byte and a bit less.
+    assert ops.loc["QKV", "intensity"] == pytest.approx(0.5, rel=0.01)
+    eight = decode_ops(smollm2.config, batch_size=8, context_len=100).set_index("op")
+    assert eight.loc["gate/up", "flops"] == 8 * ops.loc["gate/up", "flops"]
+    assert 3.5 < eight.loc["gate/up", "intensity"] < 4.0
+    # Attention's intensity does not grow with the batch (each request reads its own K/V).
+    assert eight.loc["attention", "intensity"] == pytest.approx(ops.loc["attention", "intensity"])
+
+
+def test_op_times_attribute_every_matmul_of_a_step_by_its_order(tiny):
+    from miniinfer.book.roofline import record_op_times, roofline_sentences, roofline_table
+
+    ops = record_op_times(tiny, (1, 2), prompt_len=8, steps=2)
+    layers = tiny.config.num_hidden_layers
+    counts = ops[ops.batch_size == 1].set_index("op").count_per_step
+    assert counts.to_dict() == {"QKV": 3 * layers, "O": layers, "gate/up": 2 * layers,
+                                "down": layers, "LM head": 1, "attention": layers}
+    assert (ops.ms_per_step > 0).all() and (ops.context_len == 8 + 1 + 1.5).all()
+    table = roofline_table(tiny.config, ops, bandwidth_gbs=10.0, peak_gflops=100.0,
+                           batch_sizes=(1, 2, 32))
+    measured = table[table.ms_per_step.notna()]
+    assert set(measured.batch_size) == {1, 2} and table[table.batch_size == 32].ms_per_step.isna().all()
+    row = measured.iloc[0]
+    assert row.achieved_gflops == pytest.approx(row.flops / (row.ms_per_step / 1e3) / 1e9)
+    assert row.attainable_gflops == min(100.0, 10.0 * row.intensity)
+    lines = roofline_sentences(table, 10.0, 100.0)
+    assert lines[0].startswith("ridge point: 10.0 FLOP/byte")
+    assert any(line.startswith("batch 32: no measured point") for line in lines)
+
+
+def test_op_times_refuse_a_step_whose_matmuls_it_cannot_tell_apart(tiny):
+    from miniinfer.book.roofline import op_times
+    from miniinfer.core.errors import MiniInferError
+
+    trace = profile_decode(make_engine("paged-prealloc", tiny), make_prompts(tiny, 1, 8), steps=2)
+    with pytest.raises(MiniInferError, match="aten::mm per decode step"):
+        op_times(trace, tiny.config.num_hidden_layers + 1)
+
+
+def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
+    """What chapter 05 draws for a device recorded before -roofline.csv existed: the points of
+    its recorded traces, every matmul under half of both roofs (the chapter's headline)."""
+    from miniinfer.bench.profiling import load_trace
+    from miniinfer.book.roofline import recorded_trace_op_times, roofline_table
+
+    paths = sorted((book.RESULTS / "ch05").glob("cpu-*-paged-prealloc-b*.json.gz"))
+    if not paths:
+        pytest.skip("no recorded chapter 05 trace")
+    traces = {int(p.name.split("-b")[-1].split(".")[0]): load_trace(p) for p in paths}
+    ops = recorded_trace_op_times(traces, smollm2.config.num_hidden_layers, prompt_len=64)
+    speed = book.device_table().iloc[0]
+    table = roofline_table(smollm2.config, ops, speed.bandwidth_gbs, speed.peak_gflops)
+    top = _recorded_runs("05", "top")
+    for b in traces:
+        mm = top[(top.batch_size == b) & (top.name == "aten::mm")].ms_per_step.iloc[0]
+        matmuls = ops[(ops.batch_size == b) & (ops.op != "attention")].ms_per_step.sum()
+        assert matmuls == pytest.approx(mm, rel=1e-6)  # the same time, split by op
+    matmuls = table[(table.op != "attention") & table.ms_per_step.notna()]
+    assert ((matmuls.pct_of_bandwidth < 50) & (matmuls.pct_of_peak < 50)).all()
+
+
+# -- chapter 02: the memory paging saves -------------------------------------------------------
+
+def test_kv_reservation_matches_the_bytes_the_live_caches_hold(tiny):
+    from transformers import DynamicCache
+
+    from miniinfer.book.analysis import kv_reservation
+    from miniinfer.core.devices import kv_bytes_per_token
+    from miniinfer.core.sampling import SamplingParams
+    from miniinfer.engines.base import left_pad
+
+    lengths = (3, 16, 17, 40)
+    prompts = [make_prompts(tiny, 1, n, seed=i)[0] for i, n in enumerate(lengths)]
+    ids, mask = left_pad(prompts, tiny.pad_token_id, tiny.device)
+    cache = DynamicCache(config=tiny.config)
+    with torch.inference_mode():
+        tiny.model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                   position_ids=(mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
+    hf_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    engine = make_engine("paged-loop", tiny, block_size=16, num_blocks=32)
+    pool = engine.kv_cache
+    with torch.inference_mode():
+        engine.prefill(list(range(len(prompts))), prompts, SamplingParams(max_new_tokens=1))
+    paged_bytes = (pool.num_blocks - pool.block_manager.num_free_blocks) * pool.nbytes // pool.num_blocks
+    table = kv_reservation(lengths, kv_bytes_per_token(tiny), 16)
+    assert list(table.reserved_MiB) == [hf_bytes / 2**20, paged_bytes / 2**20]
+    # 4 x 40 padded slots for 76 tokens; blocks of 16: 16 + 16 + 32 + 48 = 112 slots.
+    assert list(table.reserved_tokens) == [160, 112]
+    assert table.fragmentation_pct.iloc[0] == pytest.approx(100 * (1 - 76 / 160))
+    assert table.fragmentation_pct.iloc[1] == pytest.approx(100 * (1 - 76 / 112))
+
+
+# -- chapter 10: the server's own cost --------------------------------------------------------
+
+def test_server_cost_recording_pairs_each_request_in_process_and_over_http(tiny):
+    from miniinfer.bench.serving import WorkloadConfig
+    from miniinfer.book.recordings import record_server_cost
+    from miniinfer.server import ServerProcess
+
+    workload = WorkloadConfig(num_requests=3, prompt_len=(4, 12), output_len=(2, 4), seed=1)
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=64)
+    with ServerProcess("tiny", "--device", "cpu") as server:
+        cost = record_server_cost(tiny, engine, server.base_url, workload, warmup=1)
+    assert list(cost["mode"]) == ["stream", "no-stream"] * 3
+    assert list(cost.request[::2]) == [0, 1, 2]
+    stream, whole = cost[cost["mode"] == "stream"], cost[cost["mode"] == "no-stream"]
+    timed = ["in_process_e2e_ms", "http_e2e_ms"]
+    assert (cost[timed] > 0).all().all()
+    assert (stream[["in_process_ttft_ms", "http_ttft_ms"]] > 0).all().all()
+    assert whole[["in_process_ttft_ms", "http_ttft_ms"]].isna().all().all()
+    assert not engine.has_unfinished_requests()
+    table = analysis.server_cost_table(cost)
+    assert set(table.index.get_level_values("mode")) == {"stream", "no-stream"}
+    assert (table.requests == 3).all()

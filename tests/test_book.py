@@ -217,11 +217,65 @@ def test_load_trace_reads_a_gzipped_chrome_trace(tmp_path):
 
 
 def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
-    # Chapter 10 has no exercises yet (its notebook ends with "What we learned").
-    for chapter in (ch for ch in CHAPTERS.values() if ch.number != "10"):
+    for chapter in CHAPTERS.values():
         cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
         text = ["".join(c["source"]) for c in cells]
         assert any(t.startswith("## Exercises") for t in text), chapter.notebook
         if chapter.number >= "02" and chapter.stages:
             assert any(f'show_diff("{s}")' in t for s in chapter.stages for t in text), \
                 chapter.notebook
+
+
+# -- the callouts: what a CPU and a GPU show, before the first cell runs ----------------------
+
+
+def test_every_notebook_opens_with_its_recorded_callout():
+    from miniinfer.book.callouts import MARK, callout, notebook_callout
+
+    for number, chapter in CHAPTERS.items():
+        path = CHAPTERS_DIR / chapter.notebook
+        first = json.loads(path.read_text())["cells"][0]
+        lines = "".join(first["source"]).splitlines()
+        # The title, a blank line, then the callout.
+        assert lines[0].startswith(f"# Chapter {number} — ") and lines[2].startswith(f"> {MARK}")
+        expected = callout(number)
+        assert notebook_callout(path) == expected, (
+            f"{chapter.notebook}: its callout no longer matches the recorded rows; rewrite it "
+            f"with miniinfer.book.callouts.update_notebooks()")
+        cpu, gpu = expected.split("> **On a GPU you will see**")
+        assert cpu.count("\n> - ") == 2 and gpu.count("\n> - ") == 2, expected
+
+
+def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
+    from miniinfer.book.callouts import GPU_FIGURES, callout
+    from miniinfer.book.references import POSTS
+
+    for number, (key, _) in GPU_FIGURES.items():
+        text = callout(number)
+        if "(recorded)" in text.split("On a GPU")[1]:
+            continue  # a GPU row replaced the post's figure
+        if key:
+            assert POSTS[key].title in text
+
+
+def test_every_notebook_that_quotes_a_reference_post_cites_it():
+    from miniinfer.book.references import POSTS
+
+    by_word = {"mini-infer": ["mini-infer"], "roseinfer": ["roseinfer-perf", "roseinfer-paged"],
+               "wde": ["wde"]}
+    for chapter in CHAPTERS.values():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells)
+        for word, keys in by_word.items():
+            if word in text:
+                assert any(POSTS[k].title in text for k in keys), \
+                    f"{chapter.notebook} quotes the {word} post without citing it"
+    assert "https://github.com/noooop/wde" in (CHAPTERS_DIR / CHAPTERS["08"].notebook).read_text()
+
+
+def test_chapter_00_has_the_glossary():
+    cells = json.loads((CHAPTERS_DIR / CHAPTERS["00"].notebook).read_text())["cells"]
+    glossary = next("".join(c["source"]) for c in cells
+                    if "".join(c["source"]).startswith("## Glossary"))
+    for term in ("TTFT", "TPOT", "ITL", "goodput", "block", "slot mapping", "roofline", "GQA"):
+        assert f"**{term}**" in glossary, term

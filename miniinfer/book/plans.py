@@ -13,10 +13,12 @@ from ..bench.offline import BenchConfig
 from ..bench.serving import STEPPED_SYSTEMS, ServingBenchConfig
 from ..core.models import MODELS, dtype_name
 from .chapters import CHAPTERS
+from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
 from .workloads import (
     chapter05_profile_steps,
     default_workload,
     prefix_cache_experiments,
+    server_cost_workload,
     serving_experiments,
 )
 
@@ -125,6 +127,8 @@ def chapter05_plan(device: torch.device) -> ChapterPlan:
     seconds = (device_costs(device).load_s + bench_seconds(base, device, engines)
                + sum(profile_seconds(device, e, base.batch_sizes, base.prompt_len, steps)
                      for e in ("paged-prealloc", "paged-loop")))
+    if device.type == "cpu":  # the roofline's op times: 1 warm-up + 4 profiled steps each
+        seconds += profile_seconds(device, "paged-prealloc", ROOFLINE_BATCHES, base.prompt_len, 5)
     return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), engines, base.batch_sizes,
                        f"prompt {base.prompt_len} + {base.new_tokens} new; "
                        f"{steps} profiled steps", base.repeat, seconds)
@@ -148,13 +152,19 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
 
 def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
     """Chapter 08's target run with ``continuous``, in-process and over HTTP, ``rounds`` times
-    (the server loads a model of its own: a second load)."""
+    (the server loads a model of its own: a second load), then the server's own cost."""
     model, experiments = serving_experiments(device)
     target = replace(experiments["target"], systems=("continuous",))
     one = serving_plan(model, {"target": target}, device, "target")
-    load_s = device_costs(device).load_s
+    costs = device_costs(device)
+    # The server's own cost: each request alone, in-process and over HTTP (streamed and not).
+    w = server_cost_workload(device)
+    alone = (costs.prefill_token_s * sum(w.prompt_len) / 2
+             + costs.step("continuous", 1) * sum(w.output_len) / 2)
+    server_cost_s = 3 * w.num_requests * alone  # in-process, streamed and whole
     return replace(one, engines=("continuous", "http"), repeats=rounds,
-                   estimate_s=2 * load_s + 2 * rounds * (one.estimate_s - load_s))
+                   estimate_s=2 * costs.load_s + 2 * rounds * (one.estimate_s - costs.load_s)
+                   + server_cost_s)
 
 
 def chapter12_plan(device: torch.device) -> ChapterPlan:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -12,11 +13,13 @@ import pandas as pd
 import torch
 
 from ..bench.offline import run_bench, summary_table
-from ..bench.serving import ServingBenchConfig, run_serving_bench
+from ..bench.serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed
+from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
+from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .chapters import CHAPTERS
+from .parallel import run_chapter12
 from .results import RESULTS
 from .workloads import (
     ContextSweep,
@@ -24,6 +27,7 @@ from .workloads import (
     context_sweep,
     default_workload,
     prefix_cache_experiments,
+    server_cost_workload,
     serving_experiments,
 )
 
@@ -53,12 +57,16 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     """One row per engine x context length: plain decode ``step_ms``, ``decode_tok_s``,
     ``ttft_ms``, ``pct_of_hf`` (decode step, hf's over the engine's), the decode floor, and for
     paged stages ``<phase>_ms`` per step from a profiled run (``profiled_step_ms`` is that run's
-    step: the profiler adds its own cost per op, so read phases as shares of it)."""
+    step: the profiler adds its own cost per op, so read phases as shares of it), and
+    ``attention_gather_ms``, the block gather a reference paged attention does inside the
+    forward (0 for stages that gather in the engine, or for a kernel that reads blocks in
+    place)."""
     from ..bench.offline import make_prompts, own_threads, run_metrics
     from ..bench.profiling import phase_table, profile_decode
     from ..core.devices import LoadGuard, decode_floor, run_metadata
     from ..core.sampling import SamplingParams
     from ..engines import make_engine
+    from .profiles import attention_gather_ms
 
     made = {name: make_engine(name, lm) for name in engines}
     params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)
@@ -82,6 +90,7 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
                     phases = phase_table(trace).set_index("phase").ms_per_step
                     row |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
                             for k, v in phases.items()}
+                    row["attention_gather_ms"] = attention_gather_ms(trace)
                 measured[name] = row
         load.warn(f"context {context_len}")
         for name, row in measured.items():
@@ -116,10 +125,13 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
 
 def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
-    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; then
-    benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; on a
+    CPU, every op of a decode step timed at the roofline's batch sizes (``-roofline.csv``);
+    then benchmark hf vs paged-prealloc with ranges on and off in one run."""
     from ..bench.profiling import RangesOff, phase_repeats, profile_stages
     from ..engines import make_engine
+    from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
+    from .roofline import record_op_times
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
@@ -134,6 +146,10 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     if "device_ms_per_step" in prof.phases:  # CUDA: the device time of one profiled run
         phases = phases.merge(prof.phases[["batch_size", "phase", "device_ms_per_step"]],
                               on=["batch_size", "phase"], how="left")
+    # The roofline's achieved points: every op of a decode step timed at each of its batch
+    # sizes (a CPU's profile only: on a GPU an op's CPU span is its launch, see roofline).
+    roofline = (record_op_times(lm, ROOFLINE_BATCHES, base.prompt_len) if dev.type == "cpu"
+                else None)
     prealloc = make_engine("paged-prealloc", lm)
     config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
                      chapter="05")
@@ -144,8 +160,10 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
                           "git_sha", "date"]].to_dict()
     written = []
-    for kind, df in (("phases", phases), ("ops", prof.ops), ("top", prof.top),
-                     ("bench", bench)):
+    tables = [("phases", phases), ("ops", prof.ops), ("top", prof.top), ("bench", bench)]
+    if roofline is not None:
+        tables.append(("roofline", roofline))
+    for kind, df in tables:
         path = out_dir / f"{slug}-{kind}.csv"
         df.assign(**{k: v for k, v in meta.items() if k not in df}).to_csv(path, index=False)
         written.append(path)
@@ -230,10 +248,14 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     """Chapter 08's ``target`` workload served by the same engine twice per round: in this
     process (``continuous``, as chapter 08 measures it) and over HTTP (``http``: a ``serve``
     child process on this machine, measured at the client), the order alternating between
-    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``."""
+    rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``; then,
+    with the same server, the server's own cost per request (:func:`record_server_cost`,
+    ``-server-cost.csv``)."""
     from ..bench.serving import default_pool_bytes
     from ..bench.serving.http import run_http_bench
+    from ..engines import make_engine
     from ..server import ServerProcess
+    from .analysis import server_cost_sentences
 
     dev = resolve_device(device)
     model, experiments = serving_experiments(dev)
@@ -253,6 +275,12 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
                 requests.append(results.requests.assign(experiment="target", round=round_))
                 print(f"round {round_} {mode}:\n"
                       f"{serving_summary_table(results.runs).to_string(index=False)}")
+        # The server's own cost, where nothing queues: the same engine settings in-process.
+        cost = record_server_cost(lm, make_engine(
+            "continuous", lm, max_num_batched_tokens=target.max_num_batched_tokens[0],
+            kv_cache_bytes=target.kv_cache_bytes or default_pool_bytes(lm)), server.base_url,
+            server_cost_workload(dev))
+    print("\n".join(server_cost_sentences(cost)))
     table = pd.concat(runs, ignore_index=True)
     by_round = table.pivot_table(index="round", columns="system",
                                  values=["output_throughput", "ttft_p50_ms"])
@@ -263,7 +291,8 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     out_dir = RESULTS / "ch10"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True))):
+    for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True)),
+                        ("server-cost", cost)):
         path = out_dir / f"{device_slug(dev)}-{kind}.csv"
         frame.to_csv(path, index=False)
         written.append(path)
@@ -271,39 +300,65 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     return written
 
 
-def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
-    """Chapter 12 on this machine: the time of one gloo all-reduce by message size at N = 2
-    and 3 (``<device>-allreduce.csv``), then hf, ``continuous`` (TP=1) and ``tensor-parallel``
-    at TP=3 benchmarked in one run (``<device>.csv``; SmolLM2's 3 KV heads allow 3)."""
-    from ..core.devices import run_metadata
-    from ..engines import make_engine
-    from ..runner.tensor_parallel_costs import measure_all_reduce
-    from .workloads import TENSOR_PARALLEL
+def record_server_cost(lm: LoadedModel, engine, base_url: str, workload: WorkloadConfig,
+                       warmup: int = 3) -> pd.DataFrame:
+    """The server's own cost per request: each request of ``workload`` sent alone to an idle
+    engine, in this process (``engine``: a continuous engine configured as the server's) and
+    over HTTP to the server at ``base_url``, streamed and not; the in-process run comes first
+    for one request and last for the next, so that drift hits both sides alike. Two rows per
+    request, one per mode (``stream``: TTFT at the first chunk, and the whole request;
+    ``no-stream``: the whole request, one response at the end), each paired with the same
+    in-process run (in this process there is nothing to stream), times in ms as each side's
+    client sees them. Nothing else runs meanwhile: what HTTP adds is the server's work
+    (parsing, the queue hop to its engine thread, its arrival window, detokenizing, the socket)
+    and the client's."""
+    import httpx
 
-    dev = resolve_device(device)
-    out_dir = RESULTS / "ch12"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reduce_path = out_dir / f"{device_slug(dev)}-allreduce.csv"
-    pd.DataFrame(measure_all_reduce((2, 3))).assign(**run_metadata(dev)).to_csv(reduce_path,
-                                                                                index=False)
-    print(f"wrote {reduce_path.relative_to(REPO_ROOT)}")
-    model, base = default_workload(dev)
-    lm = load_model(model, device=dev)
-    config = replace(base, engines=CHAPTERS["12"].engines, chapter="12", new_tokens=16,
-                     repeat=3)
-    engines = {"hf": make_engine("hf", lm), "continuous": make_engine("continuous", lm),
-               "tensor-parallel": make_engine("tensor-parallel", lm,
-                                              tensor_parallel=TENSOR_PARALLEL)}
-    try:
-        df = run_bench(lm, config, engines, speed=device_speed(dev, store=True))
-    finally:
-        engines["tensor-parallel"].close()
-    print(summary_table(df).to_string(index=False))
-    bench_path = results_path("12", dev)
-    df.assign(tensor_parallel=[TENSOR_PARALLEL if e == "tensor-parallel" else 1
-                               for e in df.engine]).to_csv(bench_path, index=False)
-    print(f"wrote {bench_path.relative_to(REPO_ROOT)}")
-    return [reduce_path, bench_path]
+    from ..bench.serving import make_workload, request_table, serve_continuous
+    from ..bench.serving.http import serve_http
+
+    requests = [replace(w, arrival_s=0.0) for w in make_workload(lm, workload)]
+
+    def in_process(w) -> dict[str, float]:
+        row = request_table(serve_continuous(engine, [w])).iloc[0]
+        return {"in_process_ttft_ms": row.ttft_ms, "in_process_e2e_ms": row.e2e_ms}
+
+    def streamed(w) -> dict[str, float]:
+        row = request_table(serve_http(base_url, lm.name, [w])).iloc[0]
+        return {"stream_ttft_ms": row.ttft_ms, "stream_e2e_ms": row.e2e_ms}
+
+    client = httpx.Client(base_url=base_url, timeout=None)
+
+    def whole(w) -> dict[str, float]:
+        body = {"model": lm.name, "prompt": w.prompt_ids, "max_tokens": w.max_new_tokens,
+                "temperature": 0, "ignore_eos": True}
+        start = time.perf_counter()
+        response = client.post("/completions", json=body)
+        e2e = (time.perf_counter() - start) * 1e3
+        response.raise_for_status()
+        generated = response.json()["usage"]["completion_tokens"]
+        if generated != w.max_new_tokens:
+            raise MiniInferError(f"request {w.index}: the server generated {generated} tokens, "
+                                 f"asked {w.max_new_tokens}")
+        return {"whole_e2e_ms": e2e}
+
+    with client:
+        for w in requests[:warmup]:  # allocator, kernels and connections warm on both sides
+            in_process(w), streamed(w), whole(w)
+        rows = []
+        for i, w in enumerate(requests):
+            runs = (in_process, streamed, whole) if i % 2 == 0 else (streamed, whole, in_process)
+            t = {k: v for run in runs for k, v in run(w).items()}
+            common = {"request": w.index, "prompt_len": len(w.prompt_ids),
+                      "output_len": w.max_new_tokens, "in_process_e2e_ms": t["in_process_e2e_ms"]}
+            rows.append({**common, "mode": "stream", "in_process_ttft_ms": t["in_process_ttft_ms"],
+                         "http_ttft_ms": t["stream_ttft_ms"], "http_e2e_ms": t["stream_e2e_ms"]})
+            # One response at the end: no first chunk to time.
+            rows.append({**common, "mode": "no-stream", "in_process_ttft_ms": float("nan"),
+                         "http_ttft_ms": float("nan"), "http_e2e_ms": t["whole_e2e_ms"]})
+    meta = run_metadata(lm.device)
+    return pd.DataFrame(rows).assign(chapter="10", model=lm.name, dtype=dtype_name(lm.dtype),
+                                      base_url=base_url, **meta)
 
 
 def _reads_results_only(chapter: str, device: torch.device) -> list[Path]:
@@ -320,5 +375,5 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "serving": lambda chapter, device: run_chapter08(device),
     "prefix": lambda chapter, device: run_chapter09(device),
     "server": lambda chapter, device: run_chapter10(device),
-    "parallel": lambda chapter, device: run_chapter12(device),
+    "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
 }

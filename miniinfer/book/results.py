@@ -50,7 +50,8 @@ def results_markdown() -> str:
         table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
         cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
         first = dev.iloc[0]
-        spread = ", per-repeat min-max" if "pct_of_hf_min" in dev.columns else ""
+        spread = (": the median of per-repeat ratios [lowest-highest]"
+                  if "pct_of_hf_min" in dev.columns else ": the median of per-repeat ratios")
         out.append(f"**{path.parent.name}** ({path.name}): {first.device_name}, {first.model} "
                    f"{first['dtype']}, prompt {first.prompt_len}, {first.new_tokens} new tokens, "
                    f"p50 of {first.repeats}, torch {first.torch}, transformers "

@@ -143,3 +143,12 @@ def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, Servi
 # Chapter 12's split of SmolLM2: its 3 KV heads allow 3 ranks (and 9 query heads, 1536 MLP
 # channels divide by 3).
 TENSOR_PARALLEL = 3
+
+
+def server_cost_workload(device: torch.device) -> WorkloadConfig:
+    """Chapter 10's server-cost measurement: each request alone, in-process and over HTTP;
+    enough of them for a p99 (at least 50), with answers short enough that one takes about a
+    second on a CPU (shorter still on a GPU, where the whole repro must fit 20 minutes)."""
+    if device.type == "cuda":
+        return WorkloadConfig(num_requests=50, prompt_len=(16, 128), output_len=(2, 6), seed=10)
+    return WorkloadConfig(num_requests=60, prompt_len=(16, 256), output_len=(8, 24), seed=10)

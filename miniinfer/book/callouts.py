@@ -1,0 +1,394 @@
+"""What a reader will see, told before the first cell runs: every chapter opens with two lines
+on what a CPU shows, computed from the chapter's recorded rows, and two on what a GPU shows: the
+same lines from a recorded GPU row once one exists, until then a reference post's figure, cited.
+
+The callout is generated, never typed: ``callout(chapter)`` is the markdown a notebook's first
+cell carries under its title (a test checks that it does, so a re-recording that changes the
+numbers fails until the notebooks are updated: :func:`update_notebooks` rewrites them).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pandas as pd
+
+from . import analysis
+from .profiles import host_share
+from .references import POSTS
+from .results import RESULTS, read_results, recorded_context_sweeps, recorded_results
+from .roofline import FAR_BELOW
+
+MARK = "**On a CPU you will see**"
+
+
+def _runs(chapter: str, kind: str) -> pd.DataFrame:
+    files = sorted((RESULTS / f"ch{chapter}").glob(f"*-{kind}.csv"))
+    return pd.concat([read_results(f) for f in files], ignore_index=True) if files else pd.DataFrame()
+
+
+def _on(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
+    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``)."""
+    if df.empty or "device" not in df:
+        return df.iloc[0:0] if gpu else df
+    cuda = df.device.astype(str).str.startswith("cuda")
+    return df[cuda if gpu else ~cuda]
+
+
+def _pcts(df: pd.DataFrame, engine: str) -> str:
+    rows = df[df.engine == engine].sort_values("batch_size")
+    return ", ".join(f"{p:.0f}%" for p in rows.pct_of_hf) + " of hf at batch " + \
+        "/".join(str(b) for b in rows.batch_size)
+
+
+def _verdicts(df: pd.DataFrame, engine: str) -> str:
+    table = analysis.hf_ratio_table(df).reset_index()
+    rows = table[table.engine == engine].sort_values("batch_size")
+    by_verdict = rows.groupby("verdict", sort=False).batch_size.apply(list)
+    if len(by_verdict) == 1:
+        return f"{by_verdict.index[0]} at every batch size"
+    return ", ".join(f"{verdict} at batch {'/'.join(map(str, batches))}"
+                     for verdict, batches in by_verdict.items())
+
+
+def _device(df: pd.DataFrame) -> str:
+    return df.device_name.iloc[0] if "device_name" in df and len(df) else "this device"
+
+
+# Each chapter's two lines from its recorded rows of one kind of device (None: nothing recorded).
+def _ch00(gpu: bool) -> list[str] | None:
+    from .results import stage_results
+
+    stages = stage_results()
+    stages = stages[stages.device_name.isin(_on(recorded_results("01"), gpu).device_name)]
+    serving, prefix = _on(_runs("08", "runs"), gpu), _on(_runs("09", "runs"), gpu)
+    if stages.empty or serving.empty or prefix.empty:
+        return None
+    largest = stages[stages.batch_size == stages.batch_size.max()]
+    paged = largest[largest.stage_chapter.between("02", "07")]
+    target = serving[serving.experiment == "target"].set_index("system").output_throughput
+    shared = prefix[prefix.experiment == "shared-prefix"].set_index("system").output_throughput
+    return [f"the static-batch stages of chapters 02-07 end between {paged.pct_of_hf.min():.0f}% "
+            f"and {paged.pct_of_hf.max():.0f}% of hf at batch {largest.batch_size.iloc[0]}: flat, "
+            f"because a CPU step is its matmuls, not the bookkeeping those chapters remove;",
+            f"the serving chapters win on any device: continuous batching "
+            f"{target['continuous'] / target['hf-cb']:.2f}x transformers' own (chapter 08), prefix "
+            f"caching {shared['prefix-cache'] / shared['continuous']:.2f}x continuous's output "
+            f"tokens/s on a shared prompt (chapter 09)."]
+
+
+def _ch01(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("01"), gpu)
+    if df.empty:
+        return None
+    hf = df[df.engine == "hf"].set_index("batch_size").sort_index()
+    last = hf.index[-1]
+    over = min(hf.step_ms[last] / hf.floor_memory_ms[last],
+               hf.step_ms[last] / hf.floor_compute_ms[last])
+    return [f"`naive` at {_pcts(df, 'naive')} ({_verdicts(df, 'naive')}): the same decode as "
+            f"`generate`;",
+            f"hf's step {hf.step_ms.iloc[0]:.0f} ms at batch {hf.index[0]} and "
+            f"{hf.step_ms[last]:.0f} ms at batch {last}, {over:.1f}x above the nearer of the two "
+            f"roofs: neither memory nor compute binds ({_device(df)})."]
+
+
+def _ch02(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("02"), gpu)
+    if df.empty:
+        return None
+    pct = df[df.engine == "paged-loop"].set_index("batch_size").pct_of_hf.sort_index()
+    # Bytes per token cancel out of both the ratio and the shares: any value will do.
+    lengths = analysis.MIXED_LENGTHS
+    memory = analysis.kv_reservation(lengths, bytes_per_token=1)
+    hf, paged = memory.reserved_tokens.iloc[0], memory.reserved_tokens.iloc[1]
+    return [f"`paged-loop` at {_pcts(df, 'paged-loop')}: its Python-loop gather "
+            + {"falls": "loses ground as the batch grows", "rises": "gains as the batch grows",
+               "not monotonic": "moves with the batch, though not one way"}[analysis.trend(pct)]
+            + ";",
+            f"the memory paging saves: on {len(lengths)} requests of {min(lengths)}-"
+            f"{max(lengths)} tokens HF's padded cache reserves {hf / paged:.1f}x the paged "
+            f"pool's K/V bytes, {memory.fragmentation_pct.iloc[0]:.0f}% of them unused against "
+            f"{memory.fragmentation_pct.iloc[1]:.0f}%."]
+
+
+def _ch03(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("03"), gpu)
+    sweep = _on(recorded_context_sweeps("03"), gpu)
+    if df.empty or sweep.empty:
+        return None
+    loop = sweep[sweep.engine == "paged-loop"].set_index("context_len").step_ms.sort_index()
+    vec = sweep[sweep.engine == "paged-vectorized"].set_index("context_len").step_ms.sort_index()
+    return [f"`paged-vectorized` at {_pcts(df, 'paged-vectorized')}, `paged-loop` at "
+            f"{_pcts(df, 'paged-loop')};",
+            f"from {loop.index[0]} to {loop.index[-1]} tokens of context the loop's step grows "
+            f"{loop.iloc[-1] / loop.iloc[0]:.1f}x and the vectorized one's "
+            f"{vec.iloc[-1] / vec.iloc[0]:.1f}x (batch {sweep.batch_size.iloc[0]}, one run per "
+            f"point)."]
+
+
+def _ch04(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("04"), gpu)
+    ops = _on(_runs("05", "ops"), gpu)
+    if df.empty or ops.empty:
+        return None
+    write = ops[ops.window == "write_decode_kv"].groupby(["engine", "batch_size"])["count"].sum()
+    b = int(ops.batch_size.max())
+    return [f"`paged-prealloc` at {_pcts(df, 'paged-prealloc')} ({_verdicts(df, 'paged-prealloc')});",
+            f"the K/V write-back goes from {write[('paged-loop', b)]} ops per step to "
+            f"{write[('paged-prealloc', b)]} at batch {b}: fewer ops, which a CPU step barely "
+            f"notices."]
+
+
+def _ch05(gpu: bool) -> list[str] | None:
+    phases = _on(_runs("05", "phases"), gpu)
+    if phases.empty:
+        return None
+    share = host_share(phases)
+    forward = 100 * share.forward_ms / share.step_ms
+    first = (f"the model forward is {forward.min():.0f}-{forward.max():.0f}% of a decode step; "
+             f"everything else the host does, {share.host_pct.min():.1f}-"
+             f"{share.host_pct.max():.1f}%;")
+    rooflines = [] if gpu else _rooflines(phases.model.iloc[0])
+    if not rooflines:
+        return [first, "its roofline: each op's achieved point against both roofs (drawn once "
+                       "the recorded model's config is at hand)."]
+    r = rooflines[0]
+    matmuls = r.table[(r.table.op != "attention") & r.table.ms_per_step.notna()]
+    per_batch = matmuls.groupby("batch_size")[["bytes", "flops", "ms_per_step"]].sum()
+    lo, hi = per_batch.index[0], per_batch.index[-1]
+    gbs = per_batch.bytes[lo] / per_batch.ms_per_step[lo] / 1e6
+    gflops = per_batch.flops[hi] / per_batch.ms_per_step[hi] / 1e6
+    return [first,
+            f"its roofline: the matmuls move {gbs:.1f} GB/s at batch {lo} "
+            f"({100 * gbs / r.bandwidth_gbs:.0f}% of the bandwidth) and do {gflops:.0f} GFLOP/s "
+            f"at batch {hi} ({100 * gflops / r.peak_gflops:.0f}% of peak)"
+            + (": far below both roofs." if max(gbs / r.bandwidth_gbs, gflops / r.peak_gflops)
+               < FAR_BELOW else ".")]
+
+
+def _rooflines(model: str) -> list:
+    """Chapter 05's recorded rooflines, for the recorded model when its config is at hand."""
+    from transformers import AutoConfig
+
+    from ..core.models import smollm2_cache
+    from .roofline import recorded_rooflines
+
+    if model != "smollm2-135m":
+        return []
+    return recorded_rooflines(AutoConfig.from_pretrained(smollm2_cache()))
+
+
+def _ch06(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("06"), gpu)
+    sweep = _on(recorded_context_sweeps("06"), gpu)
+    if df.empty or sweep.empty:
+        return None
+    growth = {e: g.set_index("context_len").step_ms.sort_index() for e, g in sweep.groupby("engine")}
+    pa, pp = growth["paged-attention"], growth["paged-prealloc"]
+    return [f"`paged-attention` at {_pcts(df, 'paged-attention')} "
+            f"({_verdicts(df, 'paged-attention')}): on a CPU the reference kernel still copies "
+            f"every block, inside the forward;",
+            f"from {pa.index[0]} to {pa.index[-1]} tokens of context its step grows "
+            f"{pa.iloc[-1] / pa.iloc[0]:.2f}x, `paged-prealloc`'s {pp.iloc[-1] / pp.iloc[0]:.2f}x."]
+
+
+def _ch07(gpu: bool) -> list[str] | None:
+    df = _on(recorded_results("07"), gpu)
+    files = sorted((RESULTS / "ch07" / "timeline").glob("*.csv"))
+    timeline = _on(pd.concat([read_results(f) for f in files]) if files else pd.DataFrame(), gpu)
+    if df.empty or timeline.empty:
+        return None
+    split = analysis.host_split(timeline)
+    lat = df[df.engine.isin(["async:sync", "async:overlap"])].pivot_table(
+        index="batch_size", columns="engine", values="ttft_ms")
+    ratio = lat["async:overlap"] / lat["async:sync"]
+    return [f"the loops tie hf ({_pcts(df, 'async:sync')} for `sync`): the host's bookkeeping "
+            f"is {split.bookkeeping_pct.min():.1f}-{split.bookkeeping_pct.max():.1f}% of a step, "
+            f"all a loop could win;",
+            f"`overlap` delivers the first token {ratio.min():.2f}-{ratio.max():.2f}x later than "
+            f"`sync`: one step of latency, bought for nothing where nothing overlaps."]
+
+
+def _ch08(gpu: bool) -> list[str] | None:
+    runs = _on(_runs("08", "runs"), gpu)
+    if runs.empty:
+        return None
+    t = runs[runs.experiment == "target"].set_index("system")
+    c, st = t.loc["continuous"], t.loc["static-paged-attention"]
+    return [f"continuous batching {c.output_throughput / t.output_throughput['hf-cb']:.2f}x "
+            f"transformers' own and {c.output_throughput / st.output_throughput:.2f}x static "
+            f"batching's output tokens/s on {int(c.num_requests)} requests;",
+            f"TTFT p50 {st.ttft_p50_ms / c.ttft_p50_ms:.1f}x lower than static batching's, for a "
+            f"TPOT p50 {c.tpot_p50_ms / st.tpot_p50_ms:.1f}x "
+            f"{'higher' if c.tpot_p50_ms > st.tpot_p50_ms else 'lower'}: more requests per step."]
+
+
+def _ch09(gpu: bool) -> list[str] | None:
+    runs = _on(_runs("09", "runs"), gpu)
+    if runs.empty:
+        return None
+    s = runs[runs.experiment == "shared-prefix"].set_index("system")
+    n = runs[runs.experiment == "nothing-shared"].set_index("system")
+    return [f"with a shared {int(s.shared_prefix_len.iloc[0])}-token prompt, TTFT p50 "
+            f"{s.ttft_p50_ms['continuous'] / s.ttft_p50_ms['prefix-cache']:.1f}x lower and output "
+            f"tokens/s {s.output_throughput['prefix-cache'] / s.output_throughput['continuous']:.2f}x "
+            f"(hit rate {s.prefix_cache_hit_rate['prefix-cache']:.0%});",
+            f"with nothing shared, "
+            f"{n.output_throughput['prefix-cache'] / n.output_throughput['continuous']:.2f}x: the "
+            f"bookkeeping costs next to nothing."]
+
+
+def _ch10(gpu: bool) -> list[str] | None:
+    runs = _on(_runs("10", "runs"), gpu)
+    if runs.empty:
+        return None
+    by_round = runs.pivot_table(index="round", columns="system", values="output_throughput")
+    ratio = (by_round.http / by_round.continuous).median()
+    cost = _on(_runs("10", "server-cost"), gpu)
+    own = ("the server's own cost per request: not recorded yet (the chapter's server-cost "
+           "recording measures it one request at a time)." if cost.empty else
+           analysis.server_cost_sentences(cost)[0].split(": ", 1)[1] + ".")
+    return [f"over HTTP {ratio:.2f}x the in-process output tokens/s on chapter 08's workload;",
+            own]
+
+
+def _ch12(gpu: bool) -> list[str] | None:
+    files = [f for f in sorted((RESULTS / "ch12").glob("*.csv")) if not f.stem.endswith("-allreduce")]
+    bench = _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
+        if files else pd.DataFrame()
+    reduce = _on(_runs("12", "allreduce"), gpu)
+    if bench.empty or reduce.empty:
+        return None
+    tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s").iloc[0]
+    small = reduce[reduce.message_bytes == reduce.message_bytes.min()]
+    us = small.set_index("world_size").p50_us
+    n = int(bench.tensor_parallel.max())
+    return [f"the split model's exact tokens, at {tok_s['tensor-parallel'] / tok_s['continuous']:.2f}x "
+            f"the whole model's tok/s at batch {tok_s.name} (TP={n} vs TP=1, one run);",
+            f"one gloo all-reduce of {small.message_bytes.iloc[0]} bytes: {us.get(n, us.iloc[-1]):.0f} "
+            f"µs with {n} processes, and a step does two per layer."]
+
+
+CPU_LINES: dict[str, Callable[[bool], list[str] | None]] = {
+    "00": _ch00, "01": _ch01, "02": _ch02, "03": _ch03, "04": _ch04, "05": _ch05, "06": _ch06,
+    "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "12": _ch12}
+
+# What a GPU shows until a GPU row is recorded: each a reference post's own figure, and the post.
+GPU_FIGURES: dict[str, tuple[str, tuple[str, str]]] = {
+    "00": ("mini-infer", (
+        "the paged gather went from 49.1% of HF (a Python loop) to 88.4% (vectorized), the gap "
+        "chapters 02-06 close on a GPU;",
+        "serving (chapters 08-10) wins there as here; no GPU row is recorded yet.")),
+    "01": ("wde", (
+        "an RTX 4090 has 1008 GB/s and 83 TFLOPS, 82 FLOP per byte: decode is memory-bound far "
+        "past batch 8;",
+        "so batching is nearly free there: the step barely grows with the batch.")),
+    "02": ("mini-infer", (
+        "the Python-loop gather ran at 49.1% of HF's throughput;",
+        "its thousands of small copies are half of a ~17 ms forward step there.")),
+    "03": ("mini-infer", (
+        "the vectorized gather brought it to 88.4% of HF (batch 8: 361 vs 409 tok/s);",
+        "the gather itself fell to 0.27-0.32 ms of a ~18 ms step.")),
+    "04": ("roseinfer-perf", (
+        "a preallocated KV buffer and fewer view ops: 408 -> 446 tokens/s (+9%);",
+        "every aten op count per range explained from the shapes, as here.")),
+    "05": ("mini-infer", (
+        "model_forward 17.3-17.9 ms per step, 97-98% of the labelled time at batch 1/4/8;",
+        "yet 12% behind HF: 3.8 ms per step sat between the labelled phases.")),
+    "06": ("roseinfer-paged", (
+        "no dense mask and one pinned copy of the block tables: 1908.7 -> 1921.1 decode tok/s;",
+        "small at a 1,024-token context; a real paged kernel removes a copy that grows with it.")),
+    "07": ("wde", (
+        "a 7B fp8 decode step takes ~14 ms, of which scheduling and pre/post-processing 0.3 ms;",
+        "async loops fill the GPU's idle gaps, and each request's decode latency roughly doubles.")),
+    "08": ("wde", (
+        "one step's time is set mainly by max_num_batched_tokens (its throughput-latency curves);",
+        "a large budget can even lower throughput at the same latency.")),
+    "09": ("", (
+        "no GPU row yet, and none of the four reference posts measures prefix caching;",
+        "vLLM's and SGLang's own write-ups (chapter 09's reading list) are the figures to expect.")),
+    "10": ("", (
+        "no GPU row yet, and none of the four reference posts measures an HTTP server;",
+        "a GPU step of milliseconds makes the server's fixed cost per request a larger share.")),
+    "12": ("", (
+        "no GPU row yet; on the chapter's paper model, Llama-3-70B at TP=8 on H100s holds 21.3 GB "
+        "per device and takes 6.5-7.3 ms a step (TP=1 does not fit one device);",
+        "Qwen2.5-7B stops at TP=4 there: 8 does not divide its 28 attention heads.")),
+}
+
+
+def _cpu_devices(chapter: str) -> list[str]:
+    """The CPUs a chapter's recordings (every chapter's, for the overview) ran on."""
+    chapters = [chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"]
+    names: dict[str, None] = {}
+    for number in chapters:
+        for path in sorted((RESULTS / f"ch{number}").rglob("*.csv")):
+            df = _on(read_results(path), gpu=False)
+            names.update(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
+    return list(names)
+
+
+def callout(chapter: str) -> str:
+    """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
+    cpu = CPU_LINES[chapter](False)
+    gpu = CPU_LINES[chapter](True)
+    where = ", ".join(_cpu_devices(chapter)) or "no CPU yet"
+    lines = [f"> {MARK} (recorded on {where}):"]
+    lines += [f"> - {line}" for line in cpu] if cpu else \
+        ["> - nothing recorded yet: `make chapter-" + chapter + "` records it;",
+         "> - the numbers appear here once it has."]
+    lines.append(">")
+    if gpu:
+        lines.append("> **On a GPU you will see** (recorded):")
+        lines += [f"> - {line}" for line in gpu]
+    else:
+        key, figure = GPU_FIGURES[chapter]
+        source = f", from {POSTS[key].cite()}" if key else ""
+        lines.append(f"> **On a GPU you will see** (no GPU row recorded yet{source}):")
+        lines += [f"> - {line}" for line in figure]
+    return "\n".join(lines)
+
+
+def notebook_callout(path) -> str | None:
+    """The callout block in a notebook's first cell (the lines after the title that start with
+    ``>``), or None."""
+    cells = json.loads(path.read_text())["cells"]
+    first = "".join(cells[0]["source"]).splitlines()
+    block = []
+    for line in first[1:]:
+        if line.startswith(">"):
+            block.append(line)
+        elif block:
+            break
+    return "\n".join(block) if block else None
+
+
+def update_notebooks() -> list[str]:
+    """Write each chapter's current callout into its notebook's first cell, right under the
+    title (replacing the one there); returns the chapters whose callout changed."""
+    import nbformat
+
+    from .chapters import CHAPTERS
+    from .overview import CHAPTERS_DIR
+
+    changed = []
+    for number, chapter in CHAPTERS.items():
+        if number not in CPU_LINES:
+            continue
+        path = CHAPTERS_DIR / chapter.notebook
+        nb = nbformat.read(path, as_version=4)
+        lines = nb.cells[0].source.splitlines()
+        title, rest = lines[0], lines[1:]
+        old = notebook_callout(path)
+        if old is not None:
+            start = rest.index(old.splitlines()[0])
+            rest = rest[:start] + rest[start + len(old.splitlines()):]
+        while rest and not rest[0].strip():
+            rest = rest[1:]
+        new = callout(number)
+        if new != old:
+            nb.cells[0].source = "\n".join([title, "", new, "", *rest])
+            nbformat.write(nb, path)
+            changed.append(number)
+    return changed

@@ -1,0 +1,51 @@
+"""Chapter 12's recording: the cost of tensor parallelism on this machine."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..bench.offline import run_bench, summary_table
+from ..core.devices import REPO_ROOT, device_slug, device_speed
+from ..core.models import load_model, resolve_device
+from .chapters import CHAPTERS
+from .results import RESULTS
+from .workloads import default_workload
+
+
+def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
+    """Chapter 12 on this machine: the time of one gloo all-reduce by message size at N = 2
+    and 3 (``<device>-allreduce.csv``), then hf, ``continuous`` (TP=1) and ``tensor-parallel``
+    at TP=3 benchmarked in one run (``<device>.csv``; SmolLM2's 3 KV heads allow 3)."""
+    from ..core.devices import run_metadata
+    from ..engines import make_engine
+    from ..runner.tensor_parallel_costs import measure_all_reduce
+    from .workloads import TENSOR_PARALLEL
+
+    dev = resolve_device(device)
+    out_dir = RESULTS / "ch12"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reduce_path = out_dir / f"{device_slug(dev)}-allreduce.csv"
+    pd.DataFrame(measure_all_reduce((2, 3))).assign(**run_metadata(dev)).to_csv(reduce_path,
+                                                                                index=False)
+    print(f"wrote {reduce_path.relative_to(REPO_ROOT)}")
+    model, base = default_workload(dev)
+    lm = load_model(model, device=dev)
+    config = replace(base, engines=CHAPTERS["12"].engines, chapter="12", new_tokens=16,
+                     repeat=3)
+    engines = {"hf": make_engine("hf", lm), "continuous": make_engine("continuous", lm),
+               "tensor-parallel": make_engine("tensor-parallel", lm,
+                                              tensor_parallel=TENSOR_PARALLEL)}
+    try:
+        df = run_bench(lm, config, engines, speed=device_speed(dev, store=True))
+    finally:
+        engines["tensor-parallel"].close()
+    print(summary_table(df).to_string(index=False))
+    bench_path = out_dir / f"{device_slug(dev)}.csv"
+    df.assign(tensor_parallel=[TENSOR_PARALLEL if e == "tensor-parallel" else 1
+                               for e in df.engine]).to_csv(bench_path, index=False)
+    print(f"wrote {bench_path.relative_to(REPO_ROOT)}")
+    return [reduce_path, bench_path]
