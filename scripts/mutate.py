@@ -21,7 +21,8 @@ never executes is reported as NOT RUN without running it (it cannot be caught; `
 it anyway, for code that only runs in a child process). Each mutant's run is a fork of this
 process with torch and transformers already imported, so a run costs the selection's own time
 plus a few seconds; point ``--tests`` at the fast tests that should see the module's policy,
-narrow with ``--within`` while you work, and rerun the survivors with ``--only``.
+narrow with ``--within`` while you work, and rerun the survivors with ``--only``. (A ``-k`` in
+``--tests`` filters every file named there: name tests by node id to mix files.)
 
 Exit status: 0 when every mutant was caught, 1 when some survived or were not run, 2 when the
 selection fails on the unchanged code.
