@@ -38,6 +38,11 @@ def test_slot_follows_the_block_table():
     assert [manager.slot("b", t) for t in range(6)] == [4, 5, 6, 7, 8, 9]
     with pytest.raises(IndexError):
         manager.slot("a", 5)
+    with pytest.raises(IndexError):
+        manager.slot("nobody", 0)
+    assert manager.num_cached_blocks == 0  # chapter 08's pool keeps no prefix
+
+
 
 
 def test_free_returns_every_block():
