@@ -43,8 +43,6 @@ def test_slot_follows_the_block_table():
     assert manager.num_cached_blocks == 0  # chapter 08's pool keeps no prefix
 
 
-
-
 def test_free_returns_every_block():
     manager = BlockManager(num_blocks=5, block_size=2)
     manager.add(0, 5)
