@@ -6,7 +6,10 @@ hidden 64, MLP 128, vocabulary 49152, tied embeddings, fp32."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
 from miniinfer.core.devices import DecodeFloor, decode_floor, kv_bytes_per_token
@@ -78,3 +81,14 @@ def test_decode_floor_is_the_slower_of_its_two_roofs():
     for peak in (float("nan"), 0.0):
         unknown = DecodeFloor(600, 400, 1e6, flops=3e6, peak_flops=peak)
         assert unknown.step_ms == pytest.approx(1.0) and unknown.bound == "memory"
+
+
+def test_kv_bytes_use_the_config_s_head_dim_or_derive_it():
+    def model(head_dim: int | None) -> SimpleNamespace:
+        config = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=1, hidden_size=64,
+                                 num_attention_heads=2, head_dim=head_dim)
+        return SimpleNamespace(config=config, dtype=torch.bfloat16)
+
+    # K and V, 2 layers, 1 KV head, 2 bytes: head_dim as given (48, not 64 / 2), or 64 / 2.
+    assert kv_bytes_per_token(model(48)) == 2 * 2 * 1 * 48 * 2
+    assert kv_bytes_per_token(model(None)) == 2 * 2 * 1 * 32 * 2
