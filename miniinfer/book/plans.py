@@ -171,6 +171,8 @@ def chapter12_plan(device: torch.device) -> ChapterPlan:
     """The all-reduce table (a few seconds a world size) and a short benchmark in which the
     tensor-parallel engine's N processes share this machine's cores (counted N times)."""
     model, base = default_workload(device)
+    if device.type == "cuda":  # book.parallel.run_chapter12 records on a CPU only
+        return ChapterPlan(model, "-", (), (), "nothing on a GPU (the paper model)", 0, 0.0)
     config = replace(base, engines=CHAPTERS["12"].engines, new_tokens=16, repeat=3)
     seconds = bench_seconds(config, device) + 2 * bench_seconds(
         replace(config, engines=("tensor-parallel",)), device) + 60
