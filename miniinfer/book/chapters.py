@@ -19,6 +19,7 @@ RECORDINGS = {
     "serving": "serving workloads (rate, budget and batching sweeps)",
     "prefix": "shared-prefix and multi-turn serving workloads",
     "server": "the target workload in-process and over HTTP",
+    "catching": "offline benchmark, compile times and the target workload, beside vLLM",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
 }
 
@@ -100,6 +101,10 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             modules=("miniinfer.server",),
             idea="the engine behind an OpenAI-compatible HTTP API, driven by the official client",
             recording="server", engines=("continuous",)),
+    Chapter("11", "11_catching_vllm", "Catching vLLM: PyTorch's compiler on the reader's CPU",
+            stages=("compiled",),
+            modules=("miniinfer.runner.compiled", "miniinfer.bench.peers"),
+            recording="catching", engines=("hf", "paged-attention", "compiled", "vllm")),
     Chapter("12", "12_tensor_parallel", "Tensor parallelism: one model across several processes",
             stages=("tensor-parallel",),
             modules=("miniinfer.runner.tensor_parallel", "miniinfer.runner.tensor_parallel_costs"),

@@ -75,9 +75,10 @@ COSTS = {
     "cpu": DeviceCosts(
         "estimates fitted to the recorded runs on a 2-core CPU", load_s=5, step_s=0.044,
         row_s=0.0045, prefill_token_s=0.0015,
-        engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1},
+        engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1, "compiled": 0.45,
+                       "vllm": 0.5},
         serving_tok_s={"continuous": 114, "prefix-cache": 114, "static-paged-attention": 64,
-                       "static-hf": 48, "hf-cb": 67}),
+                       "static-hf": 48, "hf-cb": 67, "compiled": 230, "vllm": 230}),
     # One H100 with Qwen2.5-7B bf16 (15 GB of weights: 4.5 ms a step at 3.35 TB/s), eager
     # engines bound by the host's kernel launches. Assumed, not measured yet: the first GPU
     # run's CSVs should replace these.
@@ -87,7 +88,7 @@ COSTS = {
         engine_factor={"paged-loop": 3.0, "paged-vectorized": 1.2, "paged-attention": 0.8,
                        "async:sync": 0.7, "async:overlap": 0.5, "async:cuda-graph": 0.25},
         serving_tok_s={"continuous": 2000, "prefix-cache": 2000, "static-paged-attention": 320,
-                       "static-hf": 260, "hf-cb": 800}),
+                       "static-hf": 260, "hf-cb": 800, "compiled": 3000, "vllm": 3000}),
 }
 
 
@@ -167,6 +168,30 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
                    + server_cost_s)
 
 
+# Chapter 11's fixed costs on a CPU, seen on a 2-core EPYC: inductor compiles one graph per token
+# bucket the benchmark meets (4 of them, 1-3 minutes each; less from a warm on-disk cache) and
+# each vLLM engine starts in 2-6 minutes (one for the benchmark, one for the served workload).
+COMPILE_S = 4 * 120
+VLLM_START_S = 2 * 240
+
+
+def chapter11_plan(device: torch.device) -> ChapterPlan:
+    """The offline benchmark at batch 1 and 8 and chapter 08's target workload with
+    ``continuous``, ``compiled`` and vLLM, plus the compile and peer start-up times."""
+    from .catching import BATCH_SIZES
+
+    model, base = default_workload(device)
+    config = replace(base, engines=CHAPTERS["11"].engines_for(device.type),
+                     batch_sizes=BATCH_SIZES)
+    served = replace(serving_experiments(device)[1]["target"],
+                     systems=("continuous", "compiled", "vllm"))
+    seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + VLLM_START_S
+               + serving_plan(model, {"target": served}, device, "target").estimate_s)
+    return replace(bench_plan(model, device, config), estimate_s=seconds,
+                   tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
+                          f"target workload")
+
+
 def chapter12_plan(device: torch.device) -> ChapterPlan:
     """The all-reduce table (a few seconds a world size) and a short benchmark in which the
     tensor-parallel engine's N processes share this machine's cores (counted N times)."""
@@ -218,6 +243,7 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "prefix": lambda chapter, device: serving_plan(*prefix_cache_experiments(device), device,
                                                    "shared-prefix"),
     "server": lambda chapter, device: chapter10_plan(device),
+    "catching": lambda chapter, device: chapter11_plan(device),
     "parallel": lambda chapter, device: chapter12_plan(device),
 }
 

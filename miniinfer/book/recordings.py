@@ -19,6 +19,7 @@ from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
 from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .chapters import CHAPTERS
+from .catching import run_chapter11
 from .parallel import run_chapter12
 from .results import RESULTS
 from .workloads import (
@@ -375,5 +376,6 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "serving": lambda chapter, device: run_chapter08(device),
     "prefix": lambda chapter, device: run_chapter09(device),
     "server": lambda chapter, device: run_chapter10(device),
+    "catching": lambda chapter, device: run_chapter11(device),  # book/catching.py
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
 }

@@ -6,6 +6,7 @@ from ..core.errors import UnknownNameError
 from ..core.models import LoadedModel
 from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
+from .compiled import CompiledEngine
 from .continuous import ContinuousEngine
 from .hf import HFEngine
 from .naive import NaiveEngine
@@ -20,7 +21,7 @@ ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
                 PagedAttentionEngine, AsyncEngine, ContinuousEngine, PrefixCacheEngine,
-                TensorParallelEngine)
+                CompiledEngine, TensorParallelEngine)
 }
 
 

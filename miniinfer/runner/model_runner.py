@@ -11,10 +11,12 @@ What the runner owns:
 - the attention backends: one for decodes and one for prompts (flash-attn only decodes, so
   prompts then go to the best backend that has a varlen kernel);
 - the forward, chosen by name from :data:`FORWARDS`: ``direct`` (our own Llama/Qwen2 forward,
-  :mod:`miniinfer.runner.direct`) or ``registry`` (HF's module tree, our attention found by
-  name). Every forward has one signature, ``forward(input_ids [T], position_ids [T], metadata,
-  logits_rows=None) -> logits [rows, vocab]``, so a new way to run the model (compiled,
-  sharded over processes) is one more entry here, not one more engine subclass;
+  :mod:`miniinfer.runner.direct`), ``registry`` (HF's module tree, our attention found by
+  name) or ``compiled`` (chapter 11: the direct forward under ``torch.compile``,
+  :mod:`miniinfer.runner.compiled`). Every forward has one signature, ``forward(input_ids
+  [T], position_ids [T], metadata, logits_rows=None) -> logits [rows, vocab]``, so a new way
+  to run the model (compiled, sharded over processes) is one more entry here, not one more
+  engine subclass;
 - the staging buffer: a step's per-token metadata reaches the device in one copy.
 
 :meth:`ModelRunner.execute` is chapter 08's step: flatten the scheduled tokens of a mixed batch
@@ -26,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +46,9 @@ from .attention import (
     has_sliding_window,
 )
 from .direct import DirectForward, PagedAttend, unsupported_reason
+
+if TYPE_CHECKING:
+    from .compiled import CompileOptions
 
 # forward(input_ids [T], position_ids [T], metadata, logits_rows [rows] or None) -> [rows, V]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, PagedAttend, torch.Tensor | None], torch.Tensor]
@@ -70,10 +76,23 @@ def direct_forward(runner: ModelRunner) -> ForwardFn:
     return DirectForward(runner.model)
 
 
+def compiled_forward(runner: ModelRunner) -> ForwardFn:
+    """Chapter 11: the direct forward under ``torch.compile`` (imported only when asked for:
+    loading inductor costs seconds)."""
+    from .compiled import CompiledForward
+
+    reason = unsupported_reason(runner.model)
+    if reason:
+        raise MiniInferError(f"forward 'compiled' cannot run {runner.lm.name!r}: {reason}; "
+                             f"use forward='registry'")
+    return CompiledForward(runner.model, runner.kv_cache, runner.compile_options)
+
+
 # Each forward the runner can run, by name: a factory that builds it for a runner.
 FORWARDS: dict[str, Callable[[ModelRunner], ForwardFn]] = {
     "direct": direct_forward,
     "registry": registry_forward,
+    "compiled": compiled_forward,
 }
 
 
@@ -84,7 +103,7 @@ class ModelRunner:
 
     def __init__(self, lm: LoadedModel, kv_config: KVCacheConfig | None = None, *,
                  forward: str = "auto", attention_backend: str | None = None,
-                 tensor_parallel: int = 1) -> None:
+                 tensor_parallel: int = 1, compile_options: CompileOptions | None = None) -> None:
         if has_sliding_window(lm.config):
             # Our kernels attend to the whole context; a windowed layer would silently read
             # tokens it must not see once a sequence outgrows the window.
@@ -110,6 +129,7 @@ class ModelRunner:
             if BACKENDS[name].varlen)
         self.forward_name = forward
         self.tensor_parallel = tensor_parallel
+        self.compile_options = compile_options  # the compiled forward's (None: its defaults)
         if tensor_parallel > 1:
             # Chapter 12: the layers split over N processes (this one is rank 0). Each rank's
             # pool holds its own heads; this runner's pool then only lends its block tables.

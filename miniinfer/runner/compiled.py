@@ -1,0 +1,408 @@
+"""The direct forward compiled by PyTorch's own compiler (chapter 11).
+
+Chapter 06's :class:`~miniinfer.runner.direct.DirectForward` removed HF's module tree,
+and on a CPU it still decodes at HF-eager speed. Where a decode step's time goes there (the
+guide's "CPU speed" section): the matmuls through ``F.linear`` run at about 11 GB/s of weights
+read, well under the machine's copy bandwidth; RMSNorm, RoPE and SiLU-times-up are separate
+passes over small tensors, each a dispatch; and the CPU attention reference copies every
+request's blocks into a dense tensor in every layer of every step.
+
+:class:`CompiledForward` has DirectForward's call contract and removes those costs with
+``torch.compile`` (inductor):
+
+- **freezing**: the weights become constants of the compiled graph, so inductor may repack them
+  once, ahead of time, in the layout its GEMM kernels read fastest; with ``max_autotune`` and
+  the C++ GEMM template (``max_autotune_gemm_backends="CPP,ATEN"``) each projection picks the
+  fastest of inductor's own micro-kernels and oneDNN/MKL for its shape;
+- **fusion**: RMSNorm, RoPE, the residual adds and SiLU-times-up become a few fused loops;
+- **attention without the copy**: each token's keys and values are read from the pool through
+  its request's block table *inside* the compiled graph (an index, not a copy), so inductor
+  fuses the read into the score and output reductions. Every token attends causally by its
+  position, which covers decodes, prompt chunks and chapter 08's mixed batches with one
+  formula; the new tokens' K/V are written into the pool in place first (the pool is an input
+  of the graph that it mutates; written as an ``index_put_`` on the flat pool, inductor does it
+  in place rather than copying the pool);
+- **shape buckets**: the token count is padded up to a bucket (powers of two), so a step only
+  ever meets a graph compiled for its bucket; the context width is a dynamic dimension of the
+  graph (the attention loops run to a symbolic bound). After warm-up nothing recompiles.
+  Prompts longer than the largest bucket run as consecutive chunks (each chunk's attention
+  reads the K/V the previous chunk wrote, as chunked prefill does).
+- compiled graphs (and autotuning results) persist in inductor's on-disk cache, so a second
+  process reuses them instead of compiling again.
+
+Where ``torch.compile`` cannot run (a torch without the needed inductor, no C++ compiler, a
+platform inductor cannot build for), the forward says why in one warning and runs the eager
+direct forward. On CUDA the graphs are compiled with ``mode="reduce-overhead"`` (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from transformers import PreTrainedModel
+
+from ..core.errors import MiniInferError
+from ..core.kv_cache import PagedKVCache
+from .attention import MixedBatchMetadata, PagedAttentionMetadata
+from .direct import DirectForward, PagedAttend, _linear, _rope
+
+# The oldest torch whose inductor has the C++ GEMM template and freezing on CPU as used here.
+MIN_TORCH = (2, 6)
+# Inductor's caches (compiled graphs, autotuning results) outlive /tmp, its default home.
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "miniinfer" / "inductor"
+
+
+@dataclass(slots=True)
+class CompileOptions:
+    """How the forward is compiled. ``token_buckets``: the token counts graphs are compiled
+    for (a step's count is padded up to the next one; past the largest, the tokens run in
+    chunks of it); ``max_autotune``: let each GEMM pick its fastest kernel (slow to compile,
+    cached on disk) among ``gemm_backends``; ``freezing``: weights as constants of the graph,
+    prepacked."""
+
+    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    max_autotune: bool = True
+    # Inductor's own C++ GEMM template only: its autotuner times each candidate on weights
+    # that stay in cache, while a decode step streams every weight from memory once, and
+    # there it picked MKL for batch-8 GEMMs that the template runs faster.
+    gemm_backends: str = "CPP"
+    freezing: bool = True
+    cache_dir: Path | None = field(default_factory=lambda: DEFAULT_CACHE_DIR)
+
+    def __post_init__(self) -> None:
+        buckets = self.token_buckets
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
+            raise MiniInferError(f"token_buckets must be increasing token counts >= 1, "
+                                 f"got {buckets!r}")
+
+
+def compile_unavailable_reason(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot run the forward on ``device`` (None: it can): too old a
+    torch, a Python dynamo does not support, no C++ compiler (looked for directly: a graph
+    served from inductor's cache would not need one, the next new bucket would), or anything
+    else that stops inductor from compiling and running one tiny function here."""
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if version < MIN_TORCH:
+        return f"torch {torch.__version__} is older than {'.'.join(map(str, MIN_TORCH))}"
+    if not torch._dynamo.is_dynamo_supported():
+        return "torch.compile does not support this Python"
+    try:
+        if device.type == "cpu":
+            from torch._inductor.cpp_builder import get_cpp_compiler
+            get_cpp_compiler()
+        probe = torch.compile(lambda x: x * 2 + 1, dynamic=False, fullgraph=True)
+        probe(torch.ones(3, device=device))
+    except Exception as error:  # noqa: BLE001 (whatever stops inductor here is the reason)
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}".rstrip(": ")
+    return None
+
+
+class _Body(nn.Module):
+    """Embedding through the last decoder layer, over ``T`` tokens (a bucket's count). The
+    HF modules are held, not copied: their parameters are what freezing makes constants of."""
+
+    def __init__(self, model: PreTrainedModel, block_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = model.model.embed_tokens
+        self.layers = model.model.layers
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.scale = attention.scaling
+        self.block_size = block_size
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                write_rows: torch.Tensor, token_tables: torch.Tensor,
+                pool: torch.Tensor) -> torch.Tensor:
+        """``cos``/``sin``: the rotary embedding of each token's position, ``[T, head_dim]``;
+        ``pool``: the whole KV pool as ``[layers * 2 * slots, kv_heads, head_dim]`` (layer
+        ``i``'s K at ``2i * slots``, its V at ``(2i + 1) * slots``); ``token_tables``: each
+        token's block table ``[T, W]``; ``write_rows``: the row whose K/V each token writes
+        (itself, or for padding a real token writing the same values again)."""
+        tokens = input_ids.shape[0]
+        dim, block_size = self.head_dim, self.block_size
+        num_slots = pool.shape[0] // (2 * len(self.layers))
+        hidden = F.embedding(input_ids, self.embed_tokens.weight)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, dim]: broadcast over the heads
+        # Slot of each context position of each token's request, and which of them it sees.
+        offsets = torch.arange(block_size, device=pool.device)
+        context_slots = (token_tables[:, :, None].long() * block_size + offsets).flatten(1)
+        positions = torch.arange(context_slots.shape[1], device=pool.device)
+        visible = positions[None, :] <= position_ids[:, None]  # [T, context]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm.forward(hidden)
+            q = _linear(x, attn.q_proj).view(tokens, -1, dim)
+            k = _linear(x, attn.k_proj).view(tokens, -1, dim)
+            v = _linear(x, attn.v_proj).view(tokens, -1, dim)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            k_base, v_base = 2 * i * num_slots, (2 * i + 1) * num_slots
+            pool.index_put_((slot_mapping + k_base,), k[write_rows])
+            pool.index_put_((slot_mapping + v_base,), v[write_rows])
+            out = _paged_attention(q, pool[context_slots + k_base], pool[context_slots + v_base],
+                                   visible, self.scale)
+            hidden = hidden + _linear(out.reshape(tokens, -1), attn.o_proj)
+            x = layer.post_attention_layernorm.forward(hidden)
+            mlp = layer.mlp
+            hidden = hidden + _linear(
+                mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+        return hidden
+
+
+def _paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` ``[T, heads, dim]``; ``keys``/``values`` ``[T, context, kv_heads, dim]``, each
+    token's context as read from the pool (inside the compiled graph an indexed load, never a
+    materialised copy); ``visible`` ``[T, context]``. Softmax in fp32, as the reference.
+
+    Written as products and sums, not matmuls, so that inductor fuses the indexed loads into
+    the two reductions; and laid out ``[T, context, kv_heads, group, ...]`` so that both
+    reductions read K and V along ``dim``, where a slot's values lie next to each other. (With
+    the context last, the weights-times-V sum ran along the context: one scalar load per slot
+    and value, 2-10x slower at batch 8 on our CPU; measured against SDPA and matmuls over a
+    gathered copy too, this was the fastest at batch 1 and 8, context 80-208.)"""
+    tokens, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    # The heads of a GQA group share one kv head.
+    grouped = q.float().view(tokens, 1, kv_heads, heads // kv_heads, dim)
+    scores = (grouped * keys.float()[:, :, :, None, :]).sum(-1) * scale  # [T, C, kvh, group]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    out = (weights[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [T, kvh, group, dim]
+    return out.reshape(tokens, heads, dim).to(q.dtype)
+
+
+class _Head(nn.Module):
+    """The final norm and the LM head over the rows that need logits."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.norm = model.model.norm
+        self.lm_head = model.lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _linear(self.norm.forward(hidden), self.lm_head)
+
+
+class CompiledForward:
+    """DirectForward compiled: ``forward(input_ids [T], position_ids [T], metadata,
+    logits_rows=None)`` -> logits of the rows ``logits_rows`` picks (None: every token),
+    ``[rows, vocab]``, for ``metadata`` a :class:`PagedAttentionMetadata` or a
+    :class:`MixedBatchMetadata` over ``kv_cache``'s pool.
+
+    Graphs compile lazily, one per token bucket the first time a step needs it (or all at once
+    with :meth:`warm_up`); ``compile_seconds`` says what each took. ``reason_eager`` is why the
+    forward runs eagerly instead (None when compiled)."""
+
+    def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache,
+                 options: CompileOptions | None = None) -> None:
+        self.options = options or CompileOptions()
+        self.eager = DirectForward(model)
+        self.kv_cache = kv_cache
+        self.device = kv_cache.kv.device
+        self.block_size = kv_cache.block_size
+        self.rotary = model.model.rotary_emb
+        # The rotary embedding reads only the dtype and device of the tensor it is given.
+        self.dtype_probe = torch.empty(0, dtype=kv_cache.kv.dtype, device=self.device)
+        # The pool as one flat tensor of slot rows (a view: the same memory the engine owns).
+        self.pool = kv_cache.kv.view(-1, kv_cache.kv_heads, kv_cache.head_dim)
+        self.compile_seconds: dict[tuple[str, int], float] = {}
+        self.num_compiles = 0  # graphs compiled by this forward, recompiles included
+        # Config that must hold while dynamo traces, not only while inductor compiles (what
+        # torch.compile's options= covers): freezing decides how dynamo lifts the weights.
+        # And one graph per bucket, for the body and the head each, is more than dynamo keeps
+        # for one function by default (8). Prebuilt patches: entering one costs ~7 us.
+        self._patches = (
+            torch._inductor.config.patch(freezing=self.options.freezing),
+            torch._dynamo.config.patch(recompile_limit=max(
+                torch._dynamo.config.recompile_limit, 2 * len(self.options.token_buckets))),
+        )
+        if self.options.cache_dir is not None:
+            # Where inductor keeps compiled graphs and autotuning results between processes,
+            # unless the user chose a place (inductor reads it at each use).
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.options.cache_dir))
+        self.reason_eager = compile_unavailable_reason(self.device)
+        if self.reason_eager is not None:
+            warnings.warn(f"compiled forward unavailable ({self.reason_eager}); running the "
+                          f"eager direct forward", RuntimeWarning, stacklevel=2)
+            return
+        self.body = self._compile(_Body(model, self.block_size))
+        self.head = self._compile(_Head(model))
+        if self.device.type == "cuda":
+            # CUDA graphs replay fixed addresses: the pool, which every step writes, must be
+            # an address the graphs may keep (mutating any other input would disable them).
+            torch._dynamo.mark_static_address(self.pool)
+
+    @property
+    def compiled(self) -> bool:
+        return self.reason_eager is None
+
+    def _compile(self, module: nn.Module):
+        autotune = self.options.max_autotune
+        if self.device.type == "cuda":
+            # mode="reduce-overhead" (CUDA graphs) spelt as options, which torch.compile does
+            # not take together with a mode; GEMMs autotune over inductor's default backends.
+            inductor = {"triton.cudagraphs": True, "max_autotune": autotune}
+        else:
+            inductor = {"max_autotune": True,
+                        "max_autotune_gemm_backends": self.options.gemm_backends} \
+                if autotune else {}
+        # One static graph per bucket (dynamic=False: no automatic dynamic shapes, which would
+        # swap a bucket's graph for a slower generic one); only the context width is dynamic.
+        return torch.compile(module, dynamic=False, fullgraph=True, options=inductor)
+
+    def bucket(self, num_tokens: int) -> int:
+        """The token count a step of ``num_tokens`` is padded to (the largest bucket past it:
+        such steps run in chunks of it)."""
+        buckets = self.options.token_buckets
+        return next((b for b in buckets if b >= num_tokens), buckets[-1])
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 metadata: PagedAttend, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.compiled:
+            return self.eager(input_ids, position_ids, metadata, logits_rows)
+        tables, slot_mapping = token_block_tables(metadata)
+        # One dtype and layout per input whatever the engine staged: each is part of a
+        # graph's guards, and a mismatch would compile the bucket again.
+        input_ids, position_ids = input_ids.long(), position_ids.long()
+        slot_mapping = slot_mapping.long()
+        # Only the blocks up to the furthest position anyone sees (on a CPU the read costs no
+        # wait; on CUDA it would, so the tables keep their width).
+        if self.device.type == "cpu":
+            width = -(-(int(position_ids.max()) + 1) // self.block_size)
+            tables = tables[:, :width]
+        if tables.shape[1] < 2:  # a dynamic dimension of size 1 would be specialised
+            tables = F.pad(tables, (0, 2 - tables.shape[1]))
+        # Standard strides even where .contiguous() would keep a view's (a row of one).
+        tables = tables.to(torch.int32).clone(memory_format=torch.contiguous_format)
+        num_tokens = input_ids.shape[0]
+        chunk = self.options.token_buckets[-1]
+        hidden = torch.cat([
+            self._body(input_ids[s : s + chunk], position_ids[s : s + chunk],
+                       slot_mapping[s : s + chunk], tables[s : s + chunk])
+            for s in range(0, num_tokens, chunk)]) if num_tokens > chunk else \
+            self._body(input_ids, position_ids, slot_mapping, tables)
+        if logits_rows is None:
+            return self._head(hidden, num_tokens)
+        return self._head(hidden[logits_rows], len(logits_rows))
+
+    def _body(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+              slot_mapping: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        """The body over one bucket's worth of tokens; returns ``[bucket, hidden]`` (rows past
+        the real tokens are padding)."""
+        num_tokens = input_ids.shape[0]
+        bucket = self.bucket(num_tokens)
+        pad = bucket - num_tokens
+        rows = torch.arange(bucket, device=input_ids.device)
+        if pad:
+            # Padding tokens write the first real token's K/V to its slot again: the same
+            # values to the same place, so the order of the duplicate writes cannot matter.
+            rows[num_tokens:] = 0
+            input_ids, position_ids = F.pad(input_ids, (0, pad)), F.pad(position_ids, (0, pad))
+            slot_mapping = torch.cat([slot_mapping, slot_mapping[:1].expand(pad)])
+            tables = F.pad(tables, (0, 0, 0, pad))
+        # HF's rotary embedding, called as DirectForward calls it, outside the graph: inside,
+        # inductor would recompute its cos and sin wherever RoPE is read, which in attention
+        # is once per context position.
+        cos, sin = self.rotary(self.dtype_probe, position_ids[None])
+        torch._dynamo.mark_dynamic(tables, 1)
+        return self._run(("body", bucket), self.body, input_ids, position_ids, cos[0], sin[0],
+                         slot_mapping, rows, tables, self.pool)
+
+    def _head(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Logits of the first ``num_rows`` rows of ``hidden`` (more rows may be padding)."""
+        chunk = self.options.token_buckets[-1]
+        if num_rows > chunk:
+            return torch.cat([self._head(hidden[s : min(s + chunk, num_rows)],
+                                         min(chunk, num_rows - s))
+                              for s in range(0, num_rows, chunk)])
+        bucket = self.bucket(num_rows)
+        if hidden.shape[0] != bucket:
+            hidden = F.pad(hidden[:num_rows], (0, 0, 0, bucket - num_rows))
+        return self._run(("head", bucket), self.head, hidden)[:num_rows]
+
+    def _run(self, key: tuple[str, int], graph, *args: torch.Tensor) -> torch.Tensor:
+        """``graph(*args)``, timing it into ``compile_seconds[key]`` when it compiled."""
+        stats = counters["stats"]
+        graphs = stats["unique_graphs"]
+        start = time.perf_counter()
+        # A bucket's first call compiles it: with oneDNN off, so that freezing leaves the
+        # weights to inductor's own GEMM template (packed as plain tensors) instead of packing
+        # them as oneDNN/MKL tensors, which inductor's on-disk cache cannot store (every
+        # process would compile again). The compiled graph does not depend on the flag.
+        first = nullcontext() if key in self.compile_seconds else _onednn_disabled()
+        with self._patches[0], self._patches[1], first:
+            out = graph(*args)
+        if stats["unique_graphs"] != graphs:
+            self.num_compiles += stats["unique_graphs"] - graphs
+            self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) \
+                + time.perf_counter() - start
+        return out
+
+    def warm_up(self, token_counts: Sequence[int] | None = None) -> dict[tuple[str, int], float]:
+        """Compile the graphs for ``token_counts`` (default: every bucket) now, so that no
+        timed step pays for it; returns the compile seconds of each graph."""
+        if not self.compiled:
+            return {}
+        counts = self.options.token_buckets if token_counts is None else token_counts
+        # Warm-up tokens write their K/V to slot 0 of every layer: keep what is there.
+        first_slots = torch.arange(2 * self.kv_cache.num_layers, device=self.device) \
+            * (self.pool.shape[0] // (2 * self.kv_cache.num_layers))
+        saved = self.pool[first_slots].clone()
+        with torch.inference_mode():
+            for n in sorted({self.bucket(n) for n in counts}):
+                # Three tensors, not one thrice: dynamo guards on which inputs alias.
+                ids, positions, slots = torch.zeros(3, n, dtype=torch.long,
+                                                    device=self.device).unbind()
+                tables = torch.zeros(n, 2, dtype=torch.int32, device=self.device)
+                self._head(self._body(ids, positions, slots, tables), n)
+            self.pool.index_copy_(0, first_slots, saved)
+        return dict(self.compile_seconds)
+
+
+@contextmanager
+def _onednn_disabled() -> Iterator[None]:
+    previous = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(previous)
+
+
+def token_block_tables(metadata: PagedAttend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each new token's block table (its request's row, ``[T, W]``) and slot (``[T]``), from
+    chapter 06's metadata (decodes: one token per row; prompts: ``cu_seqlens_q`` says whose
+    tokens are whose) or chapter 08's mixed batch (decodes first, then prompt chunks)."""
+    if isinstance(metadata, MixedBatchMetadata):
+        parts = [part for part in (metadata.decodes, metadata.chunks) if part is not None]
+    elif isinstance(metadata, PagedAttentionMetadata):
+        parts = [metadata]
+    else:
+        raise MiniInferError(f"the compiled forward takes PagedAttentionMetadata or "
+                             f"MixedBatchMetadata, got {type(metadata).__name__}")
+    tables = []
+    for part in parts:
+        if part.cu_seqlens_q is None:
+            tables.append(part.block_tables)
+            continue
+        q_lens = part.cu_seqlens_q[1:] - part.cu_seqlens_q[:-1]
+        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens,
+                                       output_size=part.slot_mapping.shape[0])
+        tables.append(part.block_tables[rows])
+    if len(tables) == 1:
+        return tables[0], parts[0].slot_mapping
+    width = max(t.shape[1] for t in tables)
+    tables = [F.pad(t, (0, width - t.shape[1])) for t in tables]
+    return torch.cat(tables), torch.cat([part.slot_mapping for part in parts])

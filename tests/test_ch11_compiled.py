@@ -1,0 +1,176 @@
+"""Chapter 11: the direct forward compiled by inductor computes what the eager one does (logits
+within fp32 tolerance, HF's greedy tokens) through chapter 06's static batches and chapter 08's
+mixed batches, and after warm-up no step compiles anything again. Only the tiny model is
+compiled here (a compile on 2 cores takes seconds per graph even for it); SmolLM2 is checked by
+hand and in the chapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from miniinfer import SamplingParams, make_engine
+from miniinfer.core.errors import MiniInferError
+from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
+
+# Few buckets and no autotuning keep compiling to seconds (and the second engine's forward
+# reuses the first one's graphs: same weights, same shapes); the largest bucket is small
+# enough that prompts run in several chunks.
+OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False)
+GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
+# Lengths that end on a block boundary (16, 32), one past it (17) and sum past 64 (chunks).
+PROMPT_LENGTHS = (3, 16, 17, 32, 9)
+
+
+def prompts(lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    return [[(31 * i + 7 * j) % 4000 + 10 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def paged(tiny):
+    """A ``paged-attention`` engine on the compiled forward, and the eager forward it had."""
+    engine = make_engine("paged-attention", tiny)
+    eager = engine.runner.forward
+    engine.runner.forward = CompiledForward(tiny.model, engine.kv_cache, OPTIONS)
+    return engine, eager
+
+
+@pytest.fixture(scope="module")
+def continuous(tiny):
+    """The ``compiled`` stage (chapter 08's engine on the compiled forward), with a token budget
+    that splits prompts into chunks and mixes them with decodes; every bucket compiled up
+    front."""
+    engine = make_engine("compiled", tiny, compile_options=OPTIONS, max_num_batched_tokens=24)
+    assert engine.runner.forward_name == "compiled"
+    engine.runner.forward.warm_up()
+    return engine, engine.runner.forward.eager
+
+
+@pytest.fixture(scope="module")
+def hf_alone(tiny) -> list[list[int]]:
+    hf = make_engine("hf", tiny)
+    return [hf.generate([p], GREEDY).token_ids[0] for p in prompts()]
+
+
+class Compared:
+    """Runs the eager and the compiled forward on every call (eager first: both write the same
+    K/V, the compiled forward's then stays) and records how far their logits are apart."""
+
+    def __init__(self, eager, compiled: CompiledForward) -> None:
+        self.eager, self.compiled = eager, compiled
+        self.calls: list[tuple[int, int, float]] = []  # (tokens, logits rows, max abs diff)
+
+    def __call__(self, input_ids, position_ids, metadata, logits_rows=None):
+        expected = self.eager(input_ids, position_ids, metadata, logits_rows)
+        logits = self.compiled(input_ids, position_ids, metadata, logits_rows)
+        assert logits.shape == expected.shape
+        self.calls.append((len(input_ids), len(logits),
+                           float((logits - expected).abs().max())))
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        return logits
+
+
+def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
+    engine, eager = paged
+    compiled = engine.runner.forward
+    engine.runner.forward = Compared(eager, compiled)
+    try:
+        engine.generate(prompts(), GREEDY)
+        calls = engine.runner.forward.calls
+    finally:
+        engine.runner.forward = compiled
+    total = sum(PROMPT_LENGTHS)
+    # The prefill (77 tokens: four chunks of 16, then 13 padded to 16) and every decode step
+    # (5 tokens padded to 16), each compared.
+    assert calls[0][:2] == (total, len(PROMPT_LENGTHS))
+    assert [c[:2] for c in calls[1:]] == [(5, 5)] * (GREEDY.max_new_tokens - 1)
+    assert {("body", 16), ("head", 16)} <= set(compiled.compile_seconds)
+    assert compiled.compiled and compiled.reason_eager is None
+
+
+def test_greedy_matches_hf_in_a_static_batch(paged, tiny, hf_alone):
+    engine, _ = paged
+    hf = make_engine("hf", tiny)
+    assert engine.generate(prompts(), GREEDY).token_ids == \
+        hf.generate(prompts(), GREEDY).token_ids
+    for prompt, ref in zip(prompts(), hf_alone, strict=True):
+        assert engine.generate([prompt], GREEDY).token_ids[0] == ref
+    manager = engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def run_requests(engine, lengths_and_new_tokens) -> tuple[dict, list]:
+    """Add every request at once (each its own max_new_tokens), step until idle; returns the
+    finished requests by id and the steps."""
+    for rid, (prompt, new) in enumerate(lengths_and_new_tokens):
+        engine.add_request(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True),
+                           request_id=rid)
+    finished, steps = {}, []
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        steps.append(result)
+        finished.update((r.request_id, r) for r in result.outputs if r.finished)
+    return finished, steps
+
+
+def test_continuous_mixed_batches_match_eager_and_hf(continuous, tiny):
+    engine, eager = continuous
+    compiled = engine.runner.forward
+    engine.runner.forward = Compared(eager, compiled)
+    hf = make_engine("hf", tiny)
+    new_tokens = (12, 5, 9, 12, 3)
+    try:
+        finished, steps = run_requests(engine, list(zip(prompts(), new_tokens, strict=True)))
+        calls = engine.runner.forward.calls
+    finally:
+        engine.runner.forward = compiled
+    assert any(s.num_decodes and s.num_prefill_tokens for s in steps)  # mixed steps ran
+    assert len(calls) == len(steps)
+    for rid, (prompt, new) in enumerate(zip(prompts(), new_tokens, strict=True)):
+        ref = hf.generate([prompt], SamplingParams(max_new_tokens=new, ignore_eos=True))
+        assert finished[rid].output_ids == ref.token_ids[0], f"request {rid}"
+
+
+def test_nothing_recompiles_after_warm_up_as_batch_sizes_change(continuous):
+    engine, _ = continuous
+    forward = engine.runner.forward
+    graphs, compiles = counters["stats"]["unique_graphs"], forward.num_compiles
+    compiled_buckets = dict(forward.compile_seconds)
+    # Requests that finish at different steps: the decode batch shrinks from 5 to 1, and
+    # prompts of several lengths chunk into mixed steps of several token counts.
+    work = list(zip(prompts((5, 40, 12, 3, 21, 16)), (2, 18, 6, 9, 4, 11), strict=True))
+    finished, steps = run_requests(engine, work)
+    assert len(finished) == len(work)
+    token_counts = {s.num_decodes + s.num_prefill_tokens for s in steps}
+    assert {forward.bucket(n) for n in token_counts} == {1, 4, 16}  # every bucket, and
+    assert max(token_counts) > 16  # steps chunked past the largest
+    assert len({s.num_decodes for s in steps}) >= 5
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert forward.num_compiles == compiles
+    assert forward.compile_seconds == compiled_buckets
+
+
+def test_falls_back_to_eager_and_says_why(tiny, monkeypatch):
+    engine = make_engine("paged-attention", tiny)
+    eager = engine.runner.forward
+    # No C++ compiler: what a CPU without one looks like to inductor.
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-c++-compiler",))
+    with pytest.warns(RuntimeWarning, match=r"compiled forward unavailable \(InvalidCxxCompiler"
+                                             r".*no-such-c\+\+-compiler.*\); running the eager"):
+        forward = CompiledForward(tiny.model, engine.kv_cache, OPTIONS)
+    assert not forward.compiled and "no-such-c++-compiler" in forward.reason_eager
+    graphs = counters["stats"]["unique_graphs"]
+    engine.runner.forward = forward
+    tokens = engine.generate(prompts()[:2], GREEDY).token_ids
+    engine.runner.forward = eager
+    assert tokens == engine.generate(prompts()[:2], GREEDY).token_ids
+    assert counters["stats"]["unique_graphs"] == graphs and not forward.compile_seconds
+
+
+def test_rejects_metadata_it_cannot_read_and_bad_buckets():
+    with pytest.raises(MiniInferError, match="PagedAttentionMetadata or MixedBatchMetadata"):
+        token_block_tables(object())
+    for buckets in ((), (4, 2), (0, 1), (2, 2)):
+        with pytest.raises(MiniInferError, match="token_buckets"):
+            CompileOptions(token_buckets=buckets)
