@@ -247,7 +247,8 @@ def test_every_notebook_opens_with_its_recorded_callout():
 
 
 def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
-    from miniinfer.book.callouts import GPU_FIGURES, callout
+    from miniinfer.book.callouts import callout
+    from miniinfer.book.gpu_figures import GPU_FIGURES
     from miniinfer.book.references import POSTS
 
     for number, (key, _) in GPU_FIGURES.items():

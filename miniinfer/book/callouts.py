@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pandas as pd
 
 from . import analysis
+from .gpu_figures import GPU_FIGURES
 from .profiles import host_share
 from .references import POSTS
 from .results import RESULTS, read_results, recorded_context_sweeps, recorded_results
@@ -253,6 +254,28 @@ def _ch10(gpu: bool) -> list[str] | None:
             own]
 
 
+def _ch11(gpu: bool) -> list[str] | None:
+    files = [f for f in sorted((RESULTS / "ch11").glob("*.csv"))
+             if not f.stem.endswith(("-compile", "-runs", "-requests", "-steps"))]
+    bench = _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
+        if files else pd.DataFrame()
+    if bench.empty:
+        return None
+    tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s")
+    eager = "/".join(f"{r:.1f}" for r in tok_s.compiled / tok_s["paged-attention"])
+    batches = "/".join(map(str, tok_s.index))
+    first = (f"`compiled` makes {eager}x the tok/s of chapter 06's eager `paged-attention` at "
+             f"batch {batches}")
+    if "vllm" not in tok_s:
+        return [first + ";", "vLLM not recorded here (`make peers` installs it)."]
+    runs = _on(_runs("11", "runs"), gpu)
+    served = runs.set_index("system").output_throughput if not runs.empty else {}
+    line = (f"on chapter 08's workload {served['compiled'] / served['vllm']:.2f}x vLLM's output "
+            f"tokens/s." if "vllm" in served else "vLLM's served workload not recorded.")
+    vs = "/".join(f"{r:.2f}" for r in tok_s.compiled / tok_s.vllm)
+    return [f"{first}, and {vs}x vLLM CPU's;", line]
+
+
 def _ch12(gpu: bool) -> list[str] | None:
     files = [f for f in sorted((RESULTS / "ch12").glob("*.csv")) if not f.stem.endswith("-allreduce")]
     bench = _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
@@ -272,51 +295,7 @@ def _ch12(gpu: bool) -> list[str] | None:
 
 CPU_LINES: dict[str, Callable[[bool], list[str] | None]] = {
     "00": _ch00, "01": _ch01, "02": _ch02, "03": _ch03, "04": _ch04, "05": _ch05, "06": _ch06,
-    "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "12": _ch12}
-
-# What a GPU shows until a GPU row is recorded: each a reference post's own figure, and the post.
-GPU_FIGURES: dict[str, tuple[str, tuple[str, str]]] = {
-    "00": ("mini-infer", (
-        "the paged gather went from 49.1% of HF (a Python loop) to 88.4% (vectorized), the gap "
-        "chapters 02-06 close on a GPU;",
-        "serving (chapters 08-10) wins there as here; no GPU row is recorded yet.")),
-    "01": ("wde", (
-        "an RTX 4090 has 1008 GB/s and 83 TFLOPS, 82 FLOP per byte: decode is memory-bound far "
-        "past batch 8;",
-        "so batching is nearly free there: the step barely grows with the batch.")),
-    "02": ("mini-infer", (
-        "the Python-loop gather ran at 49.1% of HF's throughput;",
-        "its thousands of small copies are half of a ~17 ms forward step there.")),
-    "03": ("mini-infer", (
-        "the vectorized gather brought it to 88.4% of HF (batch 8: 361 vs 409 tok/s);",
-        "the gather itself fell to 0.27-0.32 ms of a ~18 ms step.")),
-    "04": ("roseinfer-perf", (
-        "a preallocated KV buffer and fewer view ops: 408 -> 446 tokens/s (+9%);",
-        "every aten op count per range explained from the shapes, as here.")),
-    "05": ("mini-infer", (
-        "model_forward 17.3-17.9 ms per step, 97-98% of the labelled time at batch 1/4/8;",
-        "yet 12% behind HF: 3.8 ms per step sat between the labelled phases.")),
-    "06": ("roseinfer-paged", (
-        "no dense mask and one pinned copy of the block tables: 1908.7 -> 1921.1 decode tok/s;",
-        "small at a 1,024-token context; a real paged kernel removes a copy that grows with it.")),
-    "07": ("wde", (
-        "a 7B fp8 decode step takes ~14 ms, of which scheduling and pre/post-processing 0.3 ms;",
-        "async loops fill the GPU's idle gaps, and each request's decode latency roughly doubles.")),
-    "08": ("wde", (
-        "one step's time is set mainly by max_num_batched_tokens (its throughput-latency curves);",
-        "a large budget can even lower throughput at the same latency.")),
-    "09": ("", (
-        "no GPU row yet, and none of the four reference posts measures prefix caching;",
-        "vLLM's and SGLang's own write-ups (chapter 09's reading list) are the figures to expect.")),
-    "10": ("", (
-        "no GPU row yet, and none of the four reference posts measures an HTTP server;",
-        "a GPU step of milliseconds makes the server's fixed cost per request a larger share.")),
-    "12": ("", (
-        "no GPU row yet; on the chapter's paper model, Llama-3-70B at TP=8 on H100s holds 21.3 GB "
-        "per device and takes 6.5-7.3 ms a step (TP=1 does not fit one device);",
-        "Qwen2.5-7B stops at TP=4 there: 8 does not divide its 28 attention heads.")),
-}
-
+    "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "11": _ch11, "12": _ch12}
 
 def _cpu_devices(chapter: str) -> list[str]:
     """The CPUs a chapter's recordings (every chapter's, for the overview) ran on."""

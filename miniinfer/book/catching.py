@@ -25,6 +25,7 @@ from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
 from ..core.models import load_model, resolve_device
 from .chapters import CHAPTERS
 from .results import RESULTS
+from .serving_records import record_serving
 from .workloads import default_workload, serving_experiments
 
 BATCH_SIZES = (1, 8)  # the issue's rows: one request alone, and a batch
@@ -43,8 +44,6 @@ def peer_available() -> bool:
 def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     """Chapter 11 on this machine: the offline benchmark and the compile times, then chapter
     08's target workload served by each system (see the module's docstring)."""
-    from .recordings import record_serving
-
     dev = resolve_device(device)
     systems = tuple(e for e in CHAPTERS["11"].engines_for(dev.type)
                     if e != VLLM or peer_available())

@@ -13,15 +13,16 @@ import pandas as pd
 import torch
 
 from ..bench.offline import run_bench, summary_table
-from ..bench.serving import ServingBenchConfig, WorkloadConfig, run_serving_bench
+from ..bench.serving import WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
 from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
 from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
-from .chapters import CHAPTERS
 from .catching import run_chapter11
+from .chapters import CHAPTERS
 from .parallel import run_chapter12
 from .results import RESULTS
+from .serving_records import record_serving
 from .workloads import (
     ContextSweep,
     chapter05_profile_steps,
@@ -212,28 +213,6 @@ def run_chapter08(device: str | torch.device | None = "auto") -> list[Path]:
         print(f"continuous / {baseline}: {target['continuous'] / target[baseline]:.2f}x "
               f"output tokens/s")
     return written
-
-
-def record_serving(dev: torch.device, chapter: str, model: str,
-                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
-    """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
-    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
-    lm = load_model(model, device=dev)
-    tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
-    for name, config in experiments.items():
-        results = run_serving_bench(lm, config)
-        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
-        for kind, frames in tables.items():
-            frames.append(getattr(results, kind).assign(experiment=name))
-    out_dir = RESULTS / f"ch{chapter}"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for kind, frames in tables.items():
-        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
-        pd.concat(frames, ignore_index=True).to_csv(path, index=False)
-        written.append(path)
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
-    return pd.concat(tables["runs"], ignore_index=True), written
 
 
 def run_chapter09(device: str | torch.device | None = "auto") -> list[Path]:

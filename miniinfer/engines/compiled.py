@@ -5,9 +5,10 @@ Nothing the engine does changes: the scheduler, the sampling, the stop rules and
 are chapter 08's. What changes is the runner's forward (:mod:`miniinfer.runner.compiled`):
 chapter 06's direct forward under ``torch.compile`` with inductor, the weights frozen into the
 graph and repacked for its GEMM kernels, RMSNorm, RoPE and SiLU-times-up fused, attention
-reading K/V from the pool's blocks in place, and one graph per token-count bucket, compiled the
-first time a step needs it (cached on disk for the next process). ``serve --engine compiled``
-serves over HTTP on it; ``prefix-cache`` runs on it with ``forward="compiled"``.
+reading K/V from the pool's blocks in place, and one graph per token-count bucket, all compiled
+when the engine is built (``warm_up=True``: no request waits on a compile) and cached on disk
+for the next process. ``serve --engine compiled`` serves over HTTP on it; ``prefix-cache`` runs
+on it with ``forward="compiled"``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class CompiledEngine(ContinuousEngine):
     def __init__(self, lm: LoadedModel, compile_options: CompileOptions | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
                  kv_cache_bytes: int | None = None, attention_backend: str | None = None,
-                 **options) -> None:
+                 warm_up: bool = True, **options) -> None:
         runner = ModelRunner(lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes),
                              forward="compiled", attention_backend=attention_backend,
                              compile_options=compile_options)
         super().__init__(lm, runner=runner, **options)
+        if warm_up:
+            runner.forward.warm_up()

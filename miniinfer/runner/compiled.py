@@ -27,7 +27,8 @@ request's blocks into a dense tensor in every layer of every step.
   graph (the attention loops run to a symbolic bound). After warm-up nothing recompiles.
   Prompts longer than the largest bucket run as consecutive chunks (each chunk's attention
   reads the K/V the previous chunk wrote, as chunked prefill does).
-- compiled graphs (and autotuning results) persist in inductor's on-disk cache, so a second
+- compiled graphs (and autotuning results) persist in inductor's on-disk cache (its own
+  default place, ``/tmp/torchinductor_<user>``, or ``TORCHINDUCTOR_CACHE_DIR``), so a second
   process reuses them instead of compiling again.
 
 Where ``torch.compile`` cannot run (a torch without the needed inductor, no C++ compiler, a
@@ -37,13 +38,11 @@ direct forward. On CUDA the graphs are compiled with ``mode="reduce-overhead"`` 
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +57,6 @@ from .direct import DirectForward, PagedAttend, _linear, _rope
 
 # The oldest torch whose inductor has the C++ GEMM template and freezing on CPU as used here.
 MIN_TORCH = (2, 6)
-# Inductor's caches (compiled graphs, autotuning results) outlive /tmp, its default home.
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "miniinfer" / "inductor"
 
 
 @dataclass(slots=True)
@@ -67,17 +64,20 @@ class CompileOptions:
     """How the forward is compiled. ``token_buckets``: the token counts graphs are compiled
     for (a step's count is padded up to the next one; past the largest, the tokens run in
     chunks of it); ``max_autotune``: let each GEMM pick its fastest kernel (slow to compile,
-    cached on disk) among ``gemm_backends``; ``freezing``: weights as constants of the graph,
-    prepacked."""
+    cached on disk) among ``gemm_backends``, in the buckets up to ``autotune_max_tokens``;
+    ``freezing``: weights as constants of the graph, prepacked."""
 
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     max_autotune: bool = True
+    # Where a step reads more weights than it computes with (decodes, small mixed steps) the
+    # GEMM kernel decides the step's time; past this, a step is compute-bound and oneDNN/MKL
+    # do as well, so the larger buckets skip autotuning and compile in a fraction of the time.
+    autotune_max_tokens: int = 16
     # Inductor's own C++ GEMM template only: its autotuner times each candidate on weights
     # that stay in cache, while a decode step streams every weight from memory once, and
     # there it picked MKL for batch-8 GEMMs that the template runs faster.
     gemm_backends: str = "CPP"
     freezing: bool = True
-    cache_dir: Path | None = field(default_factory=lambda: DEFAULT_CACHE_DIR)
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
@@ -228,17 +228,15 @@ class CompiledForward:
             torch._dynamo.config.patch(recompile_limit=max(
                 torch._dynamo.config.recompile_limit, 2 * len(self.options.token_buckets))),
         )
-        if self.options.cache_dir is not None:
-            # Where inductor keeps compiled graphs and autotuning results between processes,
-            # unless the user chose a place (inductor reads it at each use).
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.options.cache_dir))
         self.reason_eager = compile_unavailable_reason(self.device)
         if self.reason_eager is not None:
             warnings.warn(f"compiled forward unavailable ({self.reason_eager}); running the "
                           f"eager direct forward", RuntimeWarning, stacklevel=2)
             return
-        self.body = self._compile(_Body(model, self.block_size))
-        self.head = self._compile(_Head(model))
+        # One compiled function per kind of bucket (autotuned or not), each with its graphs.
+        body, head = _Body(model, self.block_size), _Head(model)
+        self.body = {tuned: self._compile(body, tuned) for tuned in (True, False)}
+        self.head = {tuned: self._compile(head, tuned) for tuned in (True, False)}
         if self.device.type == "cuda":
             # CUDA graphs replay fixed addresses: the pool, which every step writes, must be
             # an address the graphs may keep (mutating any other input would disable them).
@@ -248,8 +246,8 @@ class CompiledForward:
     def compiled(self) -> bool:
         return self.reason_eager is None
 
-    def _compile(self, module: nn.Module):
-        autotune = self.options.max_autotune
+    def _compile(self, module: nn.Module, tuned: bool):
+        autotune = self.options.max_autotune and tuned
         if self.device.type == "cuda":
             # mode="reduce-overhead" (CUDA graphs) spelt as options, which torch.compile does
             # not take together with a mode; GEMMs autotune over inductor's default backends.
@@ -317,7 +315,7 @@ class CompiledForward:
         # is once per context position.
         cos, sin = self.rotary(self.dtype_probe, position_ids[None])
         torch._dynamo.mark_dynamic(tables, 1)
-        return self._run(("body", bucket), self.body, input_ids, position_ids, cos[0], sin[0],
+        return self._run(("body", bucket), self.body[self._tuned(bucket)], input_ids, position_ids, cos[0], sin[0],
                          slot_mapping, rows, tables, self.pool)
 
     def _head(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -330,7 +328,10 @@ class CompiledForward:
         bucket = self.bucket(num_rows)
         if hidden.shape[0] != bucket:
             hidden = F.pad(hidden[:num_rows], (0, 0, 0, bucket - num_rows))
-        return self._run(("head", bucket), self.head, hidden)[:num_rows]
+        return self._run(("head", bucket), self.head[self._tuned(bucket)], hidden)[:num_rows]
+
+    def _tuned(self, bucket: int) -> bool:
+        return bucket <= self.options.autotune_max_tokens
 
     def _run(self, key: tuple[str, int], graph, *args: torch.Tensor) -> torch.Tensor:
         """``graph(*args)``, timing it into ``compile_seconds[key]`` when it compiled."""

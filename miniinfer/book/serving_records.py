@@ -1,0 +1,36 @@
+"""The serving chapters' tables on disk: every experiment's runs, requests and steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..bench.serving import ServingBenchConfig, run_serving_bench
+from ..bench.serving import summary_table as serving_summary_table
+from ..core.devices import REPO_ROOT, device_slug
+from ..core.models import load_model
+from .results import RESULTS
+
+
+def record_serving(dev: torch.device, chapter: str, model: str,
+                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
+    """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
+    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
+    lm = load_model(model, device=dev)
+    tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
+    for name, config in experiments.items():
+        results = run_serving_bench(lm, config)
+        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
+        for kind, frames in tables.items():
+            frames.append(getattr(results, kind).assign(experiment=name))
+    out_dir = RESULTS / f"ch{chapter}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for kind, frames in tables.items():
+        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
+        pd.concat(frames, ignore_index=True).to_csv(path, index=False)
+        written.append(path)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return pd.concat(tables["runs"], ignore_index=True), written
