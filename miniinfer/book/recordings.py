@@ -20,6 +20,7 @@ from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .catching import run_chapter11
 from .chapters import CHAPTERS
+from .client_bench import record_vllm_bench_serve
 from .parallel import run_chapter12
 from .results import RESULTS
 from .serving_records import record_serving
@@ -230,7 +231,8 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     child process on this machine, measured at the client), the order alternating between
     rounds so drift hits both alike. Writes ``<device>-runs.csv`` and ``-requests.csv``; then,
     with the same server, the server's own cost per request (:func:`record_server_cost`,
-    ``-server-cost.csv``)."""
+    ``-server-cost.csv``); last, with the peer installed, vLLM's own load client against a
+    fresh server and ``vllm serve`` (``-vllm-bench.csv``, :mod:`.client_bench`)."""
     from ..bench.serving import default_pool_bytes
     from ..bench.serving.http import run_http_bench
     from ..engines import make_engine
@@ -261,6 +263,9 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
             kv_cache_bytes=target.kv_cache_bytes or default_pool_bytes(lm)), server.base_url,
             server_cost_workload(dev))
     print("\n".join(server_cost_sentences(cost)))
+    # The field's own client against our server and vLLM's (when the peer is installed).
+    client_runs = record_vllm_bench_serve(dev, model, server_args,
+                                          target.max_num_batched_tokens[0])
     table = pd.concat(runs, ignore_index=True)
     by_round = table.pivot_table(index="round", columns="system",
                                  values=["output_throughput", "ttft_p50_ms"])
@@ -277,7 +282,7 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
         frame.to_csv(path, index=False)
         written.append(path)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
-    return written
+    return written + client_runs
 
 
 def record_server_cost(lm: LoadedModel, engine, base_url: str, workload: WorkloadConfig,

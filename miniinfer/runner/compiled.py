@@ -22,7 +22,9 @@ request's blocks into a dense tensor in every layer of every step.
   formula; the new tokens' K/V are written into the pool in place first (the pool is an input
   of the graph that it mutates; written as an ``index_put_`` on the flat pool, inductor does it
   in place rather than copying the pool);
-- **shape buckets**: the token count is padded up to a bucket (powers of two), so a step only
+- **shape buckets**: the token count is padded up to a bucket (powers of two, and 24 and 48
+  where a serving engine's decode batches sit: past 16 tokens a CPU step is compute-bound and
+  every padded token costs its share), so a step only
   ever meets a graph compiled for its bucket; the context width is a dynamic dimension of the
   graph (the attention loops run to a symbolic bound). After warm-up nothing recompiles.
   Prompts longer than the largest bucket run as consecutive chunks (each chunk's attention
@@ -67,7 +69,7 @@ class CompileOptions:
     cached on disk) among ``gemm_backends``, in the buckets up to ``autotune_max_tokens``;
     ``freezing``: weights as constants of the graph, prepacked."""
 
-    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
     max_autotune: bool = True
     # Where a step reads more weights than it computes with (decodes, small mixed steps) the
     # GEMM kernel decides the step's time; past this, a step is compute-bound and oneDNN/MKL

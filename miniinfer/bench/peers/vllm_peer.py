@@ -95,6 +95,38 @@ def stop_process(process: subprocess.Popen, log, stdin_grace_s: float = STOP_TIM
     log.close()
 
 
+def session_cpu_seconds(session_id: int) -> float | None:
+    """CPU time (user + system) of every live process in the session ``session_id``, from
+    /proc; None where there is no /proc (not Linux)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    ticks = 0
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # The fields after the command name, which may hold spaces: state is the first.
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[3]) == session_id:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(session_id: int, busy_share: float = 0.1, window_s: float = 0.2,
+                     timeout_s: float = 10.0) -> None:
+    """Return once the session's processes use less than ``busy_share`` of one core over a
+    ``window_s`` window (or after ``timeout_s``: a peer that never rests must not hang us)."""
+    deadline = time.monotonic() + timeout_s
+    last = session_cpu_seconds(session_id)
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(window_s)
+        now = session_cpu_seconds(session_id)
+        if now - last < busy_share * window_s:
+            return
+        last = now
+
+
 class PeerProcess:
     """A script run by the peer venv's python that speaks JSON lines (see the driver): started,
     asked, stopped. It runs in a session of its own, so a Ctrl-C here does not reach it
@@ -131,11 +163,15 @@ class PeerProcess:
             except BrokenPipeError:
                 self._process.wait()
                 raise self._ended() from None
-            return self._answer(None)
+            answer = self._answer(None)
         except BaseException:
             self._keep_log = True
             self.close()
             raise
+        # vLLM's CPU workers keep spinning for about a second after a job: a benchmark that
+        # runs our engine next would time it on a busy core (seen: hf's TTFT 1.1 s, not 0.15).
+        wait_until_quiet(self._process.pid)
+        return answer
 
     def _answer(self, timeout_s: float | None) -> dict[str, Any]:
         if timeout_s is not None:
