@@ -380,3 +380,27 @@ def test_serve_flags_strict_fields_and_max_request_bytes():
         ok = httpx.post(proc.base_url + "/completions",
                         json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200
+
+
+def test_a_chat_choice_opens_with_its_role_when_its_first_tokens_are_out(server):
+    """The role chunk of each chat choice comes right before that choice's first text (as
+    vLLM's server sends it), never on arrival: clients time the first token at the first
+    chunk, and a role sent before the prefill would read as a TTFT of no time."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Name three colours."}],
+            "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 3, "stream": True}
+    events = []
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body,
+                      timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line.removeprefix("data: "))["choices"]:
+                    delta = choice["delta"]
+                    # Text deltas carry no role (and exclude_none leaves it out).
+                    events.append((choice["index"], "role" if delta.get("role") else "text"))
+    for index in (0, 1):
+        mine = [kind for i, kind in events if i == index]
+        assert mine[0] == "role" and mine.count("role") == 1 and "text" in mine
+        first = events.index((index, "role"))
+        # Nothing of another choice between this choice's role and its first text.
+        assert events[first + 1] == (index, "text"), events

@@ -412,11 +412,13 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
         watches the connection), and the ``finally`` aborts the request."""
         unfinished = len(choices)
         generated = 0
+        # A chat choice opens with the assistant's role when its first tokens are out, as
+        # vLLM's server does: clients (vllm bench serve among them) time the first token at
+        # the first chunk, so a role sent on arrival would read as a TTFT of no time at all.
+        opened: set[int] = set()
         try:
             for index, choice in enumerate(choices):
-                if request.kind == "chat":
-                    yield _sse(responder.role_chunk(index))
-                elif choice.echo:
+                if request.kind != "chat" and choice.echo:
                     choice.text_offset = len(choice.echo)
                     yield _sse(responder.chunk(index, choice, choice.echo, [], [], None,
                                                generated))
@@ -425,6 +427,9 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
                 if update.error is not None:  # the status line went out: say it in the stream
                     yield _sse(_error_json(update.error))
                     return  # the finally aborts the other choices
+                if request.kind == "chat" and update.index not in opened:
+                    opened.add(update.index)
+                    yield _sse(responder.role_chunk(update.index))
                 choice = choices[update.index]
                 generated += len(update.token_ids)
                 delta = choice.text.add(update.token_ids, update.finish_reason)
