@@ -310,3 +310,17 @@ def test_continuous_engine_loops_over_any_runner(tiny):
     assert_all_blocks_free(engine)
     # The same engine class on the real runner serves the real model.
     assert make_engine("continuous", tiny).runner.forward_name == "direct"
+
+
+def test_bools_are_refused_as_token_ids_and_as_sizes(tiny):
+    """``True`` is an int to Python (``operator.index(True) == 1``), never a token id or a size."""
+    from miniinfer.core.errors import InvalidRequestError
+    from miniinfer.core.scheduler import SchedulerConfig
+
+    engine = make_engine("continuous", tiny)
+    with pytest.raises(InvalidRequestError, match="integer token ids"):
+        engine.add_request([5, True, 7])
+    assert not engine.has_unfinished_requests()
+    assert engine.add_request([5, 6, 7]) is not None  # ints still are
+    with pytest.raises(InvalidRequestError, match=r"max_num_seqs must be an integer >= 1, got True"):
+        SchedulerConfig(max_num_seqs=True)

@@ -75,6 +75,15 @@ def sample_next_tokens(logits: torch.Tensor, requests: list[Request],
     return sampled.token_ids
 
 
+def _token_id(value: object) -> int:
+    """``value`` as a token id: ints of any kind (numpy, 0-d tensors; what ``operator.index``
+    takes), not floats or text, and not a bool, which is an int to Python but never a token
+    id. Raises ``TypeError``."""
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
+
+
 class ContinuousEngine(Engine):
     """The scheduler decides, the runner runs (:class:`~miniinfer.runner.ModelRunner`: the
     weights, the KV pool and the forward), this engine loops. ``forward`` picks the runner's
@@ -121,8 +130,7 @@ class ContinuousEngine(Engine):
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {params!r}")
         try:
-            # operator.index takes ints of any kind (numpy, 0-d tensors), not floats or text.
-            prompt = [operator.index(t) for t in prompt_ids]
+            prompt = [_token_id(t) for t in prompt_ids]
         except TypeError:
             raise InvalidRequestError("prompt_ids must be a sequence of integer token ids, got "
                                       f"{prompt_ids!r}") from None
