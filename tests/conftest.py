@@ -79,3 +79,19 @@ def tiny_eos(tiny):
              for name, ids in zip(EOS_PROMPTS, greedy, strict=True)}
     assert found == EOS_AT, f"the tiny model no longer emits EOS where it did: {found}"
     return lm
+
+
+def scheduler_step(scheduler) -> tuple[list[tuple[str, int]], list[str]]:
+    """One scheduler step as the engine runs it, with token 0 as every sample: returns (request
+    id, tokens fed) of what was scheduled and the ids preempted."""
+    from miniinfer.core.scheduler import FinishReason
+
+    batch = scheduler.schedule()
+    for request, n in batch.scheduled:
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens:
+            request.output_ids.append(0)
+            if len(request.output_ids) >= request.params.max_new_tokens:
+                scheduler.finish(request, FinishReason.LENGTH, 0.0)
+    return ([(r.request_id, n) for r, n in batch.scheduled],
+            [r.request_id for r in batch.preempted])

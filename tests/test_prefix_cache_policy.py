@@ -6,6 +6,7 @@ the policy itself."""
 from __future__ import annotations
 
 import pytest
+from conftest import scheduler_step
 
 from miniinfer import InvalidRequestError, KVCacheFull, SamplingParams
 from miniinfer.core.prefix_cache import (
@@ -178,14 +179,7 @@ def add(scheduler: PrefixCacheScheduler, name: str, prompt: list[int],
 
 def step(scheduler: PrefixCacheScheduler) -> list[tuple[str, int]]:
     """One step with token 0 as every sample: (request id, tokens fed) of what ran."""
-    batch = scheduler.schedule()
-    for request, n in batch.scheduled:
-        request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_ids.append(0)
-            if len(request.output_ids) >= request.params.max_new_tokens:
-                scheduler.finish(request, FinishReason.LENGTH, 0.0)
-    return [(r.request_id, n) for r, n in batch.scheduled]
+    return scheduler_step(scheduler)[0]
 
 
 def test_admission_starts_after_the_cached_prefix():

@@ -7,6 +7,7 @@ prompt and the tokens it had generated."""
 from __future__ import annotations
 
 import pytest
+from conftest import scheduler_step
 
 from miniinfer import SamplingParams
 from miniinfer.core.kv_cache import BlockManager
@@ -34,17 +35,8 @@ def add(scheduler: Scheduler, name: str, prompt_len: int, max_new_tokens: int) -
 
 
 def step(scheduler: Scheduler) -> tuple[list[tuple[str, int]], list[str]]:
-    """One step as the engine runs it, with token 0 as every sample: returns (request id, tokens
-    fed) of what was scheduled and the ids preempted."""
-    batch = scheduler.schedule()
-    for request, n in batch.scheduled:
-        request.num_computed_tokens += n
-        if request.num_computed_tokens == request.num_tokens:
-            request.output_ids.append(0)
-            if len(request.output_ids) >= request.params.max_new_tokens:
-                scheduler.finish(request, FinishReason.LENGTH, 0.0)
-    return ([(r.request_id, n) for r, n in batch.scheduled],
-            [r.request_id for r in batch.preempted])
+    """One step as the engine runs it (conftest's ``scheduler_step``)."""
+    return scheduler_step(scheduler)
 
 
 def test_the_newest_request_is_preempted_and_recomputed_after():

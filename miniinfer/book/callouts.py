@@ -29,6 +29,15 @@ def _runs(chapter: str, kind: str) -> pd.DataFrame:
     return pd.concat([read_results(f) for f in files], ignore_index=True) if files else pd.DataFrame()
 
 
+def _bench(chapter: str, gpu: bool, others: tuple[str, ...]) -> pd.DataFrame:
+    """A chapter's benchmark rows on one kind of device: its CSVs but those of the ``others``
+    kinds (file names ending ``-<kind>``) that its recording writes beside them."""
+    files = [f for f in sorted((RESULTS / f"ch{chapter}").glob("*.csv"))
+             if not f.stem.endswith(others)]
+    return _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
+        if files else pd.DataFrame()
+
+
 def _on(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
     """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``)."""
     if df.empty or "device" not in df:
@@ -255,10 +264,7 @@ def _ch10(gpu: bool) -> list[str] | None:
 
 
 def _ch11(gpu: bool) -> list[str] | None:
-    files = [f for f in sorted((RESULTS / "ch11").glob("*.csv"))
-             if not f.stem.endswith(("-compile", "-runs", "-requests", "-steps"))]
-    bench = _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
-        if files else pd.DataFrame()
+    bench = _bench("11", gpu, others=("-compile", "-runs", "-requests", "-steps"))
     if bench.empty:
         return None
     tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s")
@@ -277,9 +283,7 @@ def _ch11(gpu: bool) -> list[str] | None:
 
 
 def _ch12(gpu: bool) -> list[str] | None:
-    files = [f for f in sorted((RESULTS / "ch12").glob("*.csv")) if not f.stem.endswith("-allreduce")]
-    bench = _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
-        if files else pd.DataFrame()
+    bench = _bench("12", gpu, others=("-allreduce",))
     reduce = _on(_runs("12", "allreduce"), gpu)
     if bench.empty or reduce.empty:
         return None
