@@ -13,11 +13,14 @@ from torch._dynamo.utils import counters
 from miniinfer import SamplingParams, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
+from miniinfer.runner.compiled_attention import segment_attention
 
 # Few buckets and no autotuning keep compiling to seconds (and the second engine's forward
 # reuses the first one's graphs: same weights, same shapes); the largest bucket is small
-# enough that prompts run in several chunks.
-OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False)
+# enough that prompts run in several chunks, and attends by segment past its first 4 tokens
+# (so decodes, prompt chunks and padding all go through both kinds of attention).
+OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False,
+                         segment_attention_min_tokens=16, fused_attention_rows=4)
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 # Lengths that end on a block boundary (16, 32), one past it (17) and sum past 64 (chunks).
 PROMPT_LENGTHS = (3, 16, 17, 32, 9)
@@ -86,6 +89,7 @@ def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
     assert calls[0][:2] == (total, len(PROMPT_LENGTHS))
     assert [c[:2] for c in calls[1:]] == [(5, 5)] * (GREEDY.max_new_tokens - 1)
     assert {("body", 16), ("head", 16)} <= set(compiled.compile_seconds)
+    assert compiled._by_segment(16) and not compiled._by_segment(4)
     assert compiled.compiled and compiled.reason_eager is None
 
 
@@ -168,9 +172,58 @@ def test_falls_back_to_eager_and_says_why(tiny, monkeypatch):
     assert counters["stats"]["unique_graphs"] == graphs and not forward.compile_seconds
 
 
+def test_a_step_runs_as_the_cheapest_chunks_of_buckets(tiny):
+    engine = make_engine("paged-attention", tiny)
+    forward = CompiledForward(tiny.model, engine.kv_cache, CompileOptions())
+    assert [forward.chunk_sizes(n) for n in (1, 3, 33, 48, 500, 512)] == \
+        [[1], [3], [33], [48], [500], [512]]  # one chunk, padded to its bucket
+    # Past 256, padding to 512 would cost more than one more chunk: 259 as 256 + 3.
+    assert forward.chunk_sizes(259) == [256, 3]
+    assert forward.chunk_sizes(1030) == [512, 512, 6]
+    per_chunk = forward.options.chunk_cost_tokens
+
+    def cost(sizes):  # tokens run, padding included, and the cost of each chunk
+        return sum(forward.bucket(s) + per_chunk for s in sizes)
+
+    for n in range(1, 1100, 7):
+        sizes = forward.chunk_sizes(n)
+        assert sum(sizes) == n and all(s in forward.options.token_buckets for s in sizes[:-1])
+        # No dearer than one padded chunk, or than chunks of the largest bucket.
+        assert cost(sizes) <= cost([512] * (n // 512) + [n % 512] * (n % 512 > 0))
+
+
 def test_rejects_metadata_it_cannot_read_and_bad_buckets():
     with pytest.raises(MiniInferError, match="PagedAttentionMetadata or MixedBatchMetadata"):
         token_block_tables(object())
     for buckets in ((), (4, 2), (0, 1), (2, 2)):
         with pytest.raises(MiniInferError, match="token_buckets"):
             CompileOptions(token_buckets=buckets)
+
+
+def test_segment_attention_equals_each_tokens_own_attention():
+    """Decodes, prompt chunks of two requests back to back (one starting mid-prompt) and
+    padding, cut into segments by request and position; each real token's output is the
+    softmax over exactly its request's positions up to its own."""
+    torch.manual_seed(0)
+    block_size, num_blocks, kv_heads, heads, dim = 4, 12, 2, 4, 8
+    slots = num_blocks * block_size
+    pool = torch.randn(2 * slots, kv_heads, dim)
+    tables = torch.tensor([[3, 7, 0], [5, 1, 9], [2, 8, 0], [6, 4, 0]], dtype=torch.int32)
+    # (request, position) of each token: two decodes, a chunk at 3..7, a chunk at 0..3.
+    tokens = [(0, 9), (1, 5), *[(2, p) for p in range(3, 8)], *[(3, p) for p in range(4)]]
+    num_padding = 3
+    request = torch.tensor([r for r, _ in tokens] + [0] * num_padding)
+    positions = torch.tensor([p for _, p in tokens] + [0] * num_padding)
+    real = torch.arange(len(request)) < len(tokens)
+    q = torch.randn(len(request), heads, dim)
+    out = segment_attention(q, pool, 0, slots, block_size, real, positions, tables[request],
+                            0.3)
+    for row, (r, p) in enumerate(tokens):
+        context = torch.arange(p + 1)
+        slot = tables[r][context // block_size].long() * block_size + context % block_size
+        keys = pool[slot].repeat_interleave(heads // kv_heads, 1)  # [context, heads, dim]
+        values = pool[slots + slot].repeat_interleave(heads // kv_heads, 1)
+        weights = torch.softmax((q[row] * keys).sum(-1) * 0.3, dim=0)  # [context, heads]
+        expected = (weights[..., None] * values).sum(0)
+        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
+    assert not out[len(tokens):].any()

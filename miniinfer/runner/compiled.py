@@ -12,8 +12,8 @@ request's blocks into a dense tensor in every layer of every step.
 
 - **freezing**: the weights become constants of the compiled graph, so inductor may repack them
   once, ahead of time, in the layout its GEMM kernels read fastest; with ``max_autotune`` and
-  the C++ GEMM template (``max_autotune_gemm_backends="CPP,ATEN"``) each projection picks the
-  fastest of inductor's own micro-kernels and oneDNN/MKL for its shape;
+  the C++ GEMM template (``max_autotune_gemm_backends="CPP"``) each projection picks the
+  fastest of inductor's own micro-kernels for its shape;
 - **fusion**: RMSNorm, RoPE, the residual adds and SiLU-times-up become a few fused loops;
 - **attention without the copy**: each token's keys and values are read from the pool through
   its request's block table *inside* the compiled graph (an index, not a copy), so inductor
@@ -21,14 +21,18 @@ request's blocks into a dense tensor in every layer of every step.
   position, which covers decodes, prompt chunks and chapter 08's mixed batches with one
   formula; the new tokens' K/V are written into the pool in place first (the pool is an input
   of the graph that it mutates; written as an ``index_put_`` on the flat pool, inductor does it
-  in place rather than copying the pool);
+  in place rather than copying the pool). That fused formula reads a context once per token,
+  which suits decodes; a prompt chunk's tokens share one context, and from 64 tokens on a CPU
+  the tokens past a step's first 32 attend *by segment* instead: an op the graph calls, one
+  SDPA per prompt chunk over its own request's K/V (:mod:`.compiled_attention`);
 - **shape buckets**: the token count is padded up to a bucket (powers of two, and 24 and 48
   where a serving engine's decode batches sit: past 16 tokens a CPU step is compute-bound and
   every padded token costs its share), so a step only
   ever meets a graph compiled for its bucket; the context width is a dynamic dimension of the
   graph (the attention loops run to a symbolic bound). After warm-up nothing recompiles.
-  Prompts longer than the largest bucket run as consecutive chunks (each chunk's attention
-  reads the K/V the previous chunk wrote, as chunked prefill does).
+  A step runs as the cheapest chunks of buckets (:func:`chunk_sizes`: 259 tokens as 256 + 3,
+  not padded to 512; prompts longer than the largest bucket in several), each chunk's
+  attention reading the K/V the previous chunk wrote, as chunked prefill does.
 - compiled graphs (and autotuning results) persist in inductor's on-disk cache (its own
   default place, ``/tmp/torchinductor_<user>``, or ``TORCHINDUCTOR_CACHE_DIR``), so a second
   process reuses them instead of compiling again.
@@ -40,6 +44,7 @@ direct forward. On CUDA the graphs are compiled with ``mode="reduce-overhead"`` 
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -55,6 +60,7 @@ from transformers import PreTrainedModel
 from ..core.errors import MiniInferError
 from ..core.kv_cache import PagedKVCache
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
+from .compiled_attention import fused_paged_attention, segment_attention
 from .direct import DirectForward, PagedAttend, _linear, _rope
 
 # The oldest torch whose inductor has the C++ GEMM template and freezing on CPU as used here.
@@ -72,14 +78,27 @@ class CompileOptions:
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
     max_autotune: bool = True
     # Where a step reads more weights than it computes with (decodes, small mixed steps) the
-    # GEMM kernel decides the step's time; past this, a step is compute-bound and oneDNN/MKL
-    # do as well, so the larger buckets skip autotuning and compile in a fraction of the time.
-    autotune_max_tokens: int = 16
+    # GEMM kernel decides the step's time (at 32 tokens autotuning still made the body 5-7%
+    # faster on our CPU); past this, a step is compute-bound and MKL does as well, so the
+    # larger buckets skip autotuning and compile in a fraction of the time.
+    autotune_max_tokens: int = 32
     # Inductor's own C++ GEMM template only: its autotuner times each candidate on weights
     # that stay in cache, while a decode step streams every weight from memory once, and
     # there it picked MKL for batch-8 GEMMs that the template runs faster.
     gemm_backends: str = "CPP"
     freezing: bool = True
+    # What running one more chunk costs, in tokens' worth of a compute-bound step: reading
+    # every weight again, about as long as 16 tokens' matmuls on our CPU (chunk_sizes).
+    chunk_cost_tokens: int = 16
+    # From this many tokens a bucket attends by segment (an SDPA per prompt chunk, see
+    # compiled_attention), not with the fused formula, whose per-token reads of a shared
+    # context cost more than the step's matmuls at 512-token prompt chunks. CPU only (the op
+    # reads its segments back to the host); None: every bucket fuses.
+    segment_attention_min_tokens: int | None = 64
+    # In those buckets the first this many tokens, where chapter 08's mixed steps put their
+    # decodes, still attend fused: the fused formula reads a decode's context in place, where
+    # the op would copy it (3-4x slower per decode on our CPU).
+    fused_attention_rows: int = 32
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
@@ -114,8 +133,11 @@ class _Body(nn.Module):
     """Embedding through the last decoder layer, over ``T`` tokens (a bucket's count). The
     HF modules are held, not copied: their parameters are what freezing makes constants of."""
 
-    def __init__(self, model: PreTrainedModel, block_size: int) -> None:
+    def __init__(self, model: PreTrainedModel, block_size: int, by_segment: bool,
+                 fused_rows: int) -> None:
         super().__init__()
+        # Whether tokens past the first `fused_rows` attend through segment_attention.
+        self.by_segment, self.fused_rows = by_segment, fused_rows
         self.embed_tokens = model.model.embed_tokens
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
@@ -137,11 +159,15 @@ class _Body(nn.Module):
         num_slots = pool.shape[0] // (2 * len(self.layers))
         hidden = F.embedding(input_ids, self.embed_tokens.weight)
         cos, sin = cos[:, None], sin[:, None]  # [T, 1, dim]: broadcast over the heads
-        # Slot of each context position of each token's request, and which of them it sees.
+        # The first `fused` tokens attend with the fused formula, the rest (if any) by segment.
+        fused = min(self.fused_rows, tokens) if self.by_segment else tokens
+        # Slot of each context position of each fused token's request, and which it sees.
         offsets = torch.arange(block_size, device=pool.device)
-        context_slots = (token_tables[:, :, None].long() * block_size + offsets).flatten(1)
+        context_slots = (token_tables[:fused, :, None].long() * block_size
+                         + offsets).flatten(1)
         positions = torch.arange(context_slots.shape[1], device=pool.device)
-        visible = positions[None, :] <= position_ids[:, None]  # [T, context]
+        visible = positions[None, :] <= position_ids[:fused, None]  # [fused, context]
+        real = write_rows == torch.arange(tokens, device=pool.device)  # padding writes again
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm.forward(hidden)
@@ -152,37 +178,18 @@ class _Body(nn.Module):
             k_base, v_base = 2 * i * num_slots, (2 * i + 1) * num_slots
             pool.index_put_((slot_mapping + k_base,), k[write_rows])
             pool.index_put_((slot_mapping + v_base,), v[write_rows])
-            out = _paged_attention(q, pool[context_slots + k_base], pool[context_slots + v_base],
-                                   visible, self.scale)
+            out = fused_paged_attention(q[:fused], pool[context_slots + k_base],
+                                        pool[context_slots + v_base], visible, self.scale)
+            if fused < tokens:
+                out = torch.cat([out, segment_attention(
+                    q[fused:], pool, k_base, v_base, block_size, real[fused:],
+                    position_ids[fused:], token_tables[fused:], self.scale)])
             hidden = hidden + _linear(out.reshape(tokens, -1), attn.o_proj)
             x = layer.post_attention_layernorm.forward(hidden)
             mlp = layer.mlp
             hidden = hidden + _linear(
                 mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
         return hidden
-
-
-def _paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q`` ``[T, heads, dim]``; ``keys``/``values`` ``[T, context, kv_heads, dim]``, each
-    token's context as read from the pool (inside the compiled graph an indexed load, never a
-    materialised copy); ``visible`` ``[T, context]``. Softmax in fp32, as the reference.
-
-    Written as products and sums, not matmuls, so that inductor fuses the indexed loads into
-    the two reductions; and laid out ``[T, context, kv_heads, group, ...]`` so that both
-    reductions read K and V along ``dim``, where a slot's values lie next to each other. (With
-    the context last, the weights-times-V sum ran along the context: one scalar load per slot
-    and value, 2-10x slower at batch 8 on our CPU; measured against SDPA and matmuls over a
-    gathered copy too, this was the fastest at batch 1 and 8, context 80-208.)"""
-    tokens, heads, dim = q.shape
-    kv_heads = keys.shape[2]
-    # The heads of a GQA group share one kv head.
-    grouped = q.float().view(tokens, 1, kv_heads, heads // kv_heads, dim)
-    scores = (grouped * keys.float()[:, :, :, None, :]).sum(-1) * scale  # [T, C, kvh, group]
-    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
-    weights = torch.softmax(scores, dim=1)
-    out = (weights[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [T, kvh, group, dim]
-    return out.reshape(tokens, heads, dim).to(q.dtype)
 
 
 class _Head(nn.Module):
@@ -235,9 +242,13 @@ class CompiledForward:
             warnings.warn(f"compiled forward unavailable ({self.reason_eager}); running the "
                           f"eager direct forward", RuntimeWarning, stacklevel=2)
             return
-        # One compiled function per kind of bucket (autotuned or not), each with its graphs.
-        body, head = _Body(model, self.block_size), _Head(model)
-        self.body = {tuned: self._compile(body, tuned) for tuned in (True, False)}
+        # One compiled function per kind of bucket (autotuned or not; attending fused or by
+        # segment), each with its graphs.
+        self.body = {(tuned, by_segment): self._compile(
+                         _Body(model, self.block_size, by_segment,
+                               self.options.fused_attention_rows), tuned)
+                     for tuned in (True, False) for by_segment in (True, False)}
+        head = _Head(model)
         self.head = {tuned: self._compile(head, tuned) for tuned in (True, False)}
         if self.device.type == "cuda":
             # CUDA graphs replay fixed addresses: the pool, which every step writes, must be
@@ -261,6 +272,10 @@ class CompiledForward:
         # One static graph per bucket (dynamic=False: no automatic dynamic shapes, which would
         # swap a bucket's graph for a slower generic one); only the context width is dynamic.
         return torch.compile(module, dynamic=False, fullgraph=True, options=inductor)
+
+    def chunk_sizes(self, num_tokens: int) -> list[int]:
+        """How a step of ``num_tokens`` runs (see :func:`chunk_sizes`)."""
+        return chunk_sizes(num_tokens, self.options.token_buckets, self.options.chunk_cost_tokens)
 
     def bucket(self, num_tokens: int) -> int:
         """The token count a step of ``num_tokens`` is padded to (the largest bucket past it:
@@ -287,12 +302,13 @@ class CompiledForward:
         # Standard strides even where .contiguous() would keep a view's (a row of one).
         tables = tables.to(torch.int32).clone(memory_format=torch.contiguous_format)
         num_tokens = input_ids.shape[0]
-        chunk = self.options.token_buckets[-1]
-        hidden = torch.cat([
-            self._body(input_ids[s : s + chunk], position_ids[s : s + chunk],
-                       slot_mapping[s : s + chunk], tables[s : s + chunk])
-            for s in range(0, num_tokens, chunk)]) if num_tokens > chunk else \
-            self._body(input_ids, position_ids, slot_mapping, tables)
+        parts, start = [], 0
+        for size in self.chunk_sizes(num_tokens):
+            end = start + size
+            parts.append(self._body(input_ids[start:end], position_ids[start:end],
+                                    slot_mapping[start:end], tables[start:end])[:size])
+            start = end
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is None:
             return self._head(hidden, num_tokens)
         return self._head(hidden[logits_rows], len(logits_rows))
@@ -317,7 +333,8 @@ class CompiledForward:
         # is once per context position.
         cos, sin = self.rotary(self.dtype_probe, position_ids[None])
         torch._dynamo.mark_dynamic(tables, 1)
-        return self._run(("body", bucket), self.body[self._tuned(bucket)], input_ids, position_ids, cos[0], sin[0],
+        graph = self.body[self._tuned(bucket), self._by_segment(bucket)]
+        return self._run(("body", bucket), graph, input_ids, position_ids, cos[0], sin[0],
                          slot_mapping, rows, tables, self.pool)
 
     def _head(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -334,6 +351,10 @@ class CompiledForward:
 
     def _tuned(self, bucket: int) -> bool:
         return bucket <= self.options.autotune_max_tokens
+
+    def _by_segment(self, bucket: int) -> bool:
+        threshold = self.options.segment_attention_min_tokens
+        return self.device.type == "cpu" and threshold is not None and bucket >= threshold
 
     def _run(self, key: tuple[str, int], graph, *args: torch.Tensor) -> torch.Tensor:
         """``graph(*args)``, timing it into ``compile_seconds[key]`` when it compiled."""
@@ -372,6 +393,30 @@ class CompiledForward:
                 self._head(self._body(ids, positions, slots, tables), n)
             self.pool.index_copy_(0, first_slots, saved)
         return dict(self.compile_seconds)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_sizes(num_tokens: int, buckets: tuple[int, ...], chunk_cost_tokens: int) -> list[int]:
+    """How the compiled forward runs a step of ``num_tokens``: consecutive chunks of these many
+    tokens, each a whole bucket but the last, which is padded up to its bucket. Each chunk's
+    attention reads the K/V the chunks before it wrote, as chunked prefill does, so any split
+    is correct; this is the cheapest, counting a padded token as a real one (past a few tokens
+    a CPU step's time grows with its token count) and each chunk as ``chunk_cost_tokens``
+    more: 259 tokens run as 256 + 3, not padded to 512. (Read-only: the list is cached.)"""
+    # (cost, first chunk's size) of the cheapest split of every count m up to num_tokens, from
+    # the smallest up: the best over buckets of a whole bucket then the best split of the
+    # rest, or the bucket padded over all m (on a tie the larger first chunk, so the padded
+    # one comes last).
+    plans = [(0, 0)]
+    for m in range(1, num_tokens + 1):
+        cost, first = min((b + chunk_cost_tokens + (plans[m - b][0] if b < m else 0), -min(b, m))
+                          for b in buckets)
+        plans.append((cost, -first))
+    sizes = []
+    while num_tokens:
+        sizes.append(plans[num_tokens][1])
+        num_tokens -= sizes[-1]
+    return sizes
 
 
 @contextmanager

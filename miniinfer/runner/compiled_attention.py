@@ -1,0 +1,109 @@
+"""The two ways the compiled forward attends (chapter 11).
+
+**Fused, in the graph** (:func:`fused_paged_attention`): every token reads its own request's
+K/V from the pool through its block table, written as products and sums that inductor fuses
+with the indexed loads. No copy, no kernel launch per request: the fastest way for decode steps
+and small mixed steps, where each token reads a context once anyway.
+
+**By segment, as an op the graph calls** (:func:`segment_attention`): a prompt chunk's tokens
+all read the same context, and the fused formula reads it once *per token* with elementwise
+arithmetic: at a 512-token chunk that took longer than every matmul of the step together.
+There, attention is a matrix product (each K row meets every query of the chunk), which SDPA
+does with GEMM micro-kernels. The op cuts a step's tokens into segments (runs of one request's
+consecutive positions), attends each prompt chunk with SDPA over its own request's K/V only,
+and all single-token segments (decodes) in one batched decode (the reference kernels' one). To
+inductor it is an opaque call (a ``torch.library`` custom op with a fake for tracing), so
+the rest of the layer stays compiled around it. It reads the segments back to the host, which
+a CPU step can afford and a CUDA graph could not, so it runs on CPUs only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..core.kernels.reference import DecodePlan
+
+
+def fused_paged_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` ``[T, heads, dim]``; ``keys``/``values`` ``[T, context, kv_heads, dim]``, each
+    token's context as read from the pool (inside the compiled graph an indexed load, never a
+    materialised copy); ``visible`` ``[T, context]``. Softmax in fp32, as the reference.
+
+    Written as products and sums, not matmuls, so that inductor fuses the indexed loads into
+    the two reductions; and laid out ``[T, context, kv_heads, group, ...]`` so that both
+    reductions read K and V along ``dim``, where a slot's values lie next to each other. (With
+    the context last, the weights-times-V sum ran along the context: one scalar load per slot
+    and value, 2-10x slower at batch 8 on our CPU; measured against SDPA and matmuls over a
+    gathered copy too, this was the fastest at batch 1 and 8, context 80-208.)"""
+    tokens, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    # The heads of a GQA group share one kv head.
+    grouped = q.float().view(tokens, 1, kv_heads, heads // kv_heads, dim)
+    scores = (grouped * keys.float()[:, :, :, None, :]).sum(-1) * scale  # [T, C, kvh, group]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    weights = torch.softmax(scores, dim=1)
+    out = (weights[..., None] * values.float()[:, :, :, None, :]).sum(1)  # [T, kvh, group, dim]
+    return out.reshape(tokens, heads, dim).to(q.dtype)
+
+
+@torch.library.custom_op("miniinfer::segment_attention", mutates_args=())
+def segment_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_base: int,
+                      block_size: int, real: torch.Tensor, position_ids: torch.Tensor,
+                      token_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of a bucket's tokens (``q`` ``[T, heads, dim]``) over the flat ``pool``
+    (``[slots, kv_heads, dim]``; this layer's K from row ``k_base``, its V from ``v_base``),
+    after their K/V were written. ``position_ids``, ``token_tables``: each token's position and
+    block table; ``real`` ``[T]``: which tokens are not padding (padding only ever follows
+    the real tokens, and its output is zeros)."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    num_real = int(real.sum())
+    positions, tables = position_ids[:num_real], token_tables[:num_real]
+    # A segment starts wherever the request (its table) changes or the positions do not run on.
+    starts = torch.ones(num_real, dtype=torch.bool, device=q.device)
+    starts[1:] = (positions[1:] != positions[:-1] + 1) | (tables[1:] != tables[:-1]).any(1)
+    bounds = torch.cat([starts.nonzero().flatten(), rows.new_tensor([num_real])]).tolist()
+    num_slots_layer = v_base - k_base
+    k_cache = pool[k_base : k_base + num_slots_layer].view(-1, block_size, *pool.shape[1:])
+    v_cache = pool[v_base : v_base + num_slots_layer].view(-1, block_size, *pool.shape[1:])
+    out = torch.zeros_like(q)
+    segments = list(zip(bounds[:-1], bounds[1:], strict=True))
+    singles = [start for start, end in segments if end - start == 1]
+    if singles:  # decodes (and one-token chunks): one batched decode over their contexts
+        index = torch.tensor(singles, device=q.device)
+        plan = DecodePlan(tables[index], (positions[index] + 1).int(), block_size)
+        out[index] = plan(q[index], k_cache, v_cache, scale)
+    for start, end in segments:
+        if end - start > 1:  # a prompt chunk: its own request's slots, up to its last token
+            first, context = int(positions[start]), int(positions[end - 1]) + 1
+            index = torch.arange(context, device=q.device)
+            slots = tables[start, index // block_size].long() * block_size \
+                + index % block_size
+            out[start:end] = _chunk_attention(q[start:end], pool[k_base + slots],
+                                              pool[v_base + slots], first, scale)
+    return out
+
+
+@segment_attention.register_fake
+def _(q, pool, k_base, v_base, block_size, real, position_ids, token_tables, scale):
+    return torch.empty_like(q)
+
+
+def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
+                     scale: float) -> torch.Tensor:
+    """One prompt chunk: ``q`` ``[L, heads, dim]`` at positions ``first .. first + L - 1``
+    over its request's ``keys``/``values`` ``[first + L, kv_heads, dim]``. A chunk from
+    position 0 is SDPA's own causal case (which skips the masked half of the scores); a later
+    chunk sees every earlier position as well, which takes a mask."""
+    length, heads, _ = q.shape
+    mask = None
+    if first:
+        visible = torch.arange(keys.shape[0], device=q.device)
+        mask = visible <= torch.arange(first, first + length, device=q.device)[:, None]
+    # As [1, heads, L, dim]: without the batch dimension SDPA on a CPU takes its unfused
+    # (matmul, softmax, matmul) path instead of the flash kernel.
+    out = F.scaled_dot_product_attention(
+        *(t.float().transpose(0, 1)[None] for t in (q, keys, values)),
+        attn_mask=mask, is_causal=not first, scale=scale, enable_gqa=heads != keys.shape[1])
+    return out[0].transpose(0, 1).to(q.dtype)
