@@ -34,7 +34,7 @@ chapter-%: setup
 	$(PYTHON) -m miniinfer repro $*
 
 test: setup
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=15 tests
 	MINIINFER_PRESET=$(TEST_PRESET) $(PYTHON) -m pytest -q --nbval-lax -p no:cacheprovider chapters
 
 lint: setup
