@@ -198,6 +198,12 @@ def test_rejects_metadata_it_cannot_read_and_bad_buckets():
     for buckets in ((), (4, 2), (0, 1), (2, 2)):
         with pytest.raises(MiniInferError, match="token_buckets"):
             CompileOptions(token_buckets=buckets)
+    for name, value in (("fused_attention_rows", 0), ("chunk_cost_tokens", -1),
+                        ("segment_attention_min_tokens", 0), ("fused_attention_rows", True),
+                        ("chunk_cost_tokens", 2.5)):
+        with pytest.raises(MiniInferError, match=f"{name} must be a whole number"):
+            CompileOptions(**{name: value})
+    assert CompileOptions(segment_attention_min_tokens=None).segment_attention_min_tokens is None
 
 
 def test_segment_attention_equals_each_tokens_own_attention():

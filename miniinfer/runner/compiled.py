@@ -105,6 +105,13 @@ class CompileOptions:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise MiniInferError(f"token_buckets must be increasing token counts >= 1, "
                                  f"got {buckets!r}")
+        for name, least in (("fused_attention_rows", 1), ("chunk_cost_tokens", 0),
+                            ("segment_attention_min_tokens", 1)):
+            value = getattr(self, name)
+            if value is None and name == "segment_attention_min_tokens":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise MiniInferError(f"{name} must be a whole number >= {least}, got {value!r}")
 
 
 def compile_unavailable_reason(device: torch.device) -> str | None:
