@@ -6,6 +6,8 @@ hand and in the chapter."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -155,13 +157,28 @@ def test_nothing_recompiles_after_warm_up_as_batch_sizes_change(continuous):
     assert forward.compile_seconds == compiled_buckets
 
 
-def test_falls_back_to_eager_and_says_why(tiny, monkeypatch):
+def test_forwards_over_one_model_share_their_graphs(paged, tiny):
+    engine, _ = paged
+    first = engine.runner.forward
+    first.warm_up()
+    # What a serving benchmark does for each token budget: a new engine, a new pool (of the
+    # same size), the same model and options.
+    again = CompiledForward(tiny.model, make_engine("paged-attention", tiny).kv_cache, OPTIONS)
+    assert again.body is first.body and again.head is first.head
+    assert again.warm_up() == {} and again.num_compiles == 0
+    other = CompiledForward(tiny.model, engine.kv_cache, replace(OPTIONS, fused_attention_rows=2))
+    assert other.body is not first.body
+
+
+def test_falls_back_to_eager_and_says_why(tiny):
     engine = make_engine("paged-attention", tiny)
     eager = engine.runner.forward
-    # No C++ compiler: what a CPU without one looks like to inductor.
-    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-c++-compiler",))
-    with pytest.warns(RuntimeWarning, match=r"compiled forward unavailable \(InvalidCxxCompiler"
-                                             r".*no-such-c\+\+-compiler.*\); running the eager"):
+    # No C++ compiler: what a CPU without one looks like to inductor. (Inductor's own patch:
+    # monkeypatch's undo deleted the setting, and every later compile in the process fell
+    # back to eager.)
+    with (torch._inductor.config.patch({"cpp.cxx": ("no-such-c++-compiler",)}),
+          pytest.warns(RuntimeWarning, match=r"compiled forward unavailable \(InvalidCxxCompiler"
+                                             r".*no-such-c\+\+-compiler.*\); running the eager")):
         forward = CompiledForward(tiny.model, engine.kv_cache, OPTIONS)
     assert not forward.compiled and "no-such-c++-compiler" in forward.reason_eager
     graphs = counters["stats"]["unique_graphs"]

@@ -44,8 +44,10 @@ direct forward. On CUDA the graphs are compiled with ``mode="reduce-overhead"`` 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import weakref
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -211,6 +213,12 @@ class _Head(nn.Module):
         return _linear(self.norm.forward(hidden), self.lm_head)
 
 
+# Each model's compiled functions, by options (see CompiledForward.__init__); weak, so a
+# model let go takes its graphs with it.
+_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, tuple[dict, dict]]] = \
+    weakref.WeakKeyDictionary()
+
+
 class CompiledForward:
     """DirectForward compiled: ``forward(input_ids [T], position_ids [T], metadata,
     logits_rows=None)`` -> logits of the rows ``logits_rows`` picks (None: every token),
@@ -250,13 +258,21 @@ class CompiledForward:
                           f"eager direct forward", RuntimeWarning, stacklevel=2)
             return
         # One compiled function per kind of bucket (autotuned or not; attending fused or by
-        # segment), each with its graphs.
-        self.body = {(tuned, by_segment): self._compile(
-                         _Body(model, self.block_size, by_segment,
-                               self.options.fused_attention_rows), tuned)
-                     for tuned in (True, False) for by_segment in (True, False)}
-        head = _Head(model)
-        self.head = {tuned: self._compile(head, tuned) for tuned in (True, False)}
+        # segment), each with its graphs, shared with every other forward over this model with
+        # the same options and block size: a serving benchmark builds an engine per token
+        # budget, and each would otherwise trace and load every bucket again (minutes on a
+        # CPU, even from inductor's disk cache), and pile up graphs on the same code.
+        shared = _SHARED.setdefault(model, {})
+        key = (dataclasses.astuple(self.options), self.block_size, str(self.device))
+        if key not in shared:
+            head = _Head(model)
+            shared[key] = (
+                {(tuned, by_segment): self._compile(
+                    _Body(model, self.block_size, by_segment,
+                          self.options.fused_attention_rows), tuned)
+                 for tuned in (True, False) for by_segment in (True, False)},
+                {tuned: self._compile(head, tuned) for tuned in (True, False)})
+        self.body, self.head = shared[key]
         if self.device.type == "cuda":
             # CUDA graphs replay fixed addresses: the pool, which every step writes, must be
             # an address the graphs may keep (mutating any other input would disable them).
