@@ -59,7 +59,7 @@ FAKE_VLLM = {
                 self.vllm_config = types.SimpleNamespace(
                     scheduler_config=types.SimpleNamespace(
                         max_num_batched_tokens=kwargs.get("max_num_batched_tokens", 77),
-                        max_num_seqs=5),
+                        max_num_seqs=kwargs.get("max_num_seqs", 5)),
                     model_config=types.SimpleNamespace(enforce_eager=True, dtype="torch.float32"))
 
             def add_request(self, request_id, prompt, params):
@@ -377,16 +377,20 @@ def test_bench_serving_runs_vllm_once_per_token_budget(tiny, fake_vllm, monkeypa
 
     def init(self, lm, **options):
         real_init(self, lm, **options)
-        budgets.append(self.engine_config["max_num_batched_tokens"])
+        budgets.append((self.engine_config["max_num_batched_tokens"],
+                        self.engine_config["max_num_seqs"]))
 
     monkeypatch.setattr(VLLMEngine, "__init__", init)
     workload = WorkloadConfig(num_requests=3, prompt_len=(4, 8), output_len=(2, 4))
     results = run_serving_bench(tiny, ServingBenchConfig(workload, systems=("vllm",),
-                                                         max_num_batched_tokens=(64, 128)),
+                                                         max_num_batched_tokens=(64, 512)),
                                 progress=False)
-    assert budgets == [64, 128]  # one vLLM per budget, each started with it
+    # One vLLM per budget, each started with it; under a budget smaller than vLLM's default
+    # number of running requests (which it refuses) they are capped at the budget, as ours
+    # are by it, and past it vLLM keeps its default (the fake's 5).
+    assert budgets == [(64, 64), (512, 5)]
     assert list(results.runs.system) == ["vllm", "vllm"]
-    assert list(results.runs.max_num_batched_tokens) == [64, 128]
+    assert list(results.runs.max_num_batched_tokens) == [64, 512]
     planned = [w.max_new_tokens for w in make_workload(tiny, workload)]
     assert list(results.runs.output_tokens) == [sum(planned)] * 2
     assert list(results.requests.output_len) == planned * 2

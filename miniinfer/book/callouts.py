@@ -263,8 +263,12 @@ def _ch10(gpu: bool) -> list[str] | None:
             own]
 
 
+# Chapter 11's tables beside its offline benchmark (``<device>-<table>.csv``).
+CH11_TABLES = ("-compile", "-ablation", "-runs", "-requests", "-steps", "-http")
+
+
 def _ch11(gpu: bool) -> list[str] | None:
-    bench = _bench("11", gpu, others=("-compile", "-runs", "-requests", "-steps"))
+    bench = _bench("11", gpu, others=CH11_TABLES)
     if bench.empty:
         return None
     tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s")
@@ -275,9 +279,14 @@ def _ch11(gpu: bool) -> list[str] | None:
     if "vllm" not in tok_s:
         return [first + ";", "vLLM not recorded here (`make peers` installs it)."]
     runs = _on(_runs("11", "runs"), gpu)
-    served = runs.set_index("system").output_throughput if not runs.empty else {}
+    served = runs[runs.experiment == "target"].set_index("system").output_throughput \
+        if not runs.empty else {}
+    http = _on(_runs("11", "http"), gpu)
+    over_http = http.set_index("server").output_throughput if not http.empty else {}
     line = (f"on chapter 08's workload {served['compiled'] / served['vllm']:.2f}x vLLM's output "
-            f"tokens/s." if "vllm" in served else "vLLM's served workload not recorded.")
+            f"tokens/s in-process" if "vllm" in served else "vLLM's served workload not recorded")
+    line += (f", {over_http['compiled'] / over_http['vllm']:.2f}x `vllm serve`'s over HTTP."
+             if "vllm" in over_http else ".")
     vs = "/".join(f"{r:.2f}" for r in tok_s.compiled / tok_s.vllm)
     return [f"{first}, and {vs}x vLLM CPU's;", line]
 

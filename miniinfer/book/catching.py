@@ -1,12 +1,18 @@
 """Chapter 11's recording: our engine before and after ``torch.compile``, beside vLLM.
 
-Two tables, everything in one process's run so that ratios compare like with like:
+Each table's rows come from one run, so that its ratios compare like with like:
 
 - the offline benchmark (``<device>.csv``): hf, chapter 06's ``paged-attention`` (our best
   eager stage), the ``compiled`` stage and, when installed, the peer ``vllm``, at batch 1 and 8;
   the compiled forward's compile time per graph goes to ``<device>-compile.csv``;
-- chapter 08's target workload (``<device>-{runs,requests,steps}.csv``): ``continuous`` on the
-  eager forward and on the compiled one (``compiled``), and vLLM's offline ``LLM.generate``.
+- the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
+  eager forward and on the compiled one with its fixes added one at a time;
+- chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
+  ``target`` experiment with ``continuous`` on the eager forward and on the compiled one
+  (``compiled``) and vLLM's offline ``LLM.generate``; the ``budget`` experiment, ``compiled``
+  and vLLM at each of chapter 08's token budgets (the throughput-latency curve);
+- the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
+  10 does: ``serve --engine compiled`` and ``vllm serve``, one row each.
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 
@@ -17,20 +23,31 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
 
 from ..bench.offline import make_bench_engine, run_bench, summary_table
 from ..bench.peers import VLLM, PeerMissingError, check_peer
+from ..bench.serving import ServingBenchConfig
+from ..bench.serving.http import run_http_bench
 from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
-from ..core.models import load_model, resolve_device
+from ..core.models import LoadedModel, load_model, resolve_device, smollm2_cache
+from ..engines import make_engine
 from .chapters import CHAPTERS
+from .client_bench import free_port
 from .results import RESULTS
 from .serving_records import record_serving
 from .workloads import default_workload, serving_experiments
 
+if TYPE_CHECKING:  # imported when used: loading inductor costs seconds
+    from ..runner.compiled import CompileOptions
+
 BATCH_SIZES = (1, 8)  # the issue's rows: one request alone, and a batch
+# Our compiled server compiles (or loads from inductor's cache) a graph per bucket before its
+# port answers: 3-4 minutes from a warm cache on 2 cores, over 10 from a cold one.
+SERVER_START_S = 1800.0
 
 
 def peer_available() -> bool:
@@ -44,23 +61,32 @@ def peer_available() -> bool:
 
 
 def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
-    """Chapter 11 on this machine: the offline benchmark and the compile times, then chapter
-    08's target workload served by each system (see the module's docstring)."""
+    """Chapter 11 on this machine: the offline benchmark and the compile times, the ablation,
+    then chapter 08's workloads served by each system, in-process and over HTTP (see the
+    module's docstring). Each part writes its files when it ends."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         # The GPU plan has no room left in a session's device time (book.plans), and the
         # device machine cannot install the peer.
         print("chapter 11 records on a CPU only for now; nothing to measure here")
         return []
-    systems = tuple(e for e in CHAPTERS["11"].engines_for(dev.type)
-                    if e != VLLM or peer_available())
-    model, base = default_workload(dev)
+    peer = peer_available()
+    model, _ = default_workload(dev)
     lm = load_model(model, device=dev)
-    out_dir = RESULTS / "ch11"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = device_slug(dev)
+    written = record_offline(lm, peer)
+    written.append(record_ablation(lm))
+    written += record_served(lm, peer)
+    written.append(record_http(lm, served_experiments(dev, peer)["target"], peer))
+    return written
 
-    config = replace(base, engines=systems, batch_sizes=BATCH_SIZES, chapter="11")
+
+def record_offline(lm: LoadedModel, peer: bool) -> list[Path]:
+    """The offline benchmark (hf, paged-attention, compiled, vLLM) at batch 1 and 8 ->
+    ``<device>.csv``, and the compiled forward's compile time per graph -> ``-compile.csv``."""
+    dev = lm.device
+    systems = tuple(e for e in CHAPTERS["11"].engines_for(dev.type) if e != VLLM or peer)
+    config = replace(default_workload(dev)[1], engines=systems, batch_sizes=BATCH_SIZES,
+                     chapter="11")
     engines = {name: make_bench_engine(name, lm) for name in systems}
     try:
         bench = run_bench(lm, config, engines, speed=device_speed(dev, store=True))
@@ -69,18 +95,106 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
             if hasattr(engine, "close"):
                 engine.close()
     print(summary_table(bench).to_string(index=False))
-    bench_path = out_dir / f"{slug}.csv"
+    bench_path = _path(dev, "")
     bench.to_csv(bench_path, index=False)
     forward = engines["compiled"].runner.forward
-    compile_path = out_dir / f"{slug}-compile.csv"
+    compile_path = _path(dev, "-compile")
     pd.DataFrame([{"graph": graph, "tokens": tokens, "compile_s": seconds}
                   for (graph, tokens), seconds in sorted(forward.compile_seconds.items())]) \
         .assign(compiled=forward.compiled, reason_eager=forward.reason_eager or "",
                 model=lm.name, **run_metadata(dev)).to_csv(compile_path, index=False)
-    for path in (bench_path, compile_path):
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return _wrote(bench_path, compile_path)
 
+
+def ablation_options() -> dict[str, CompileOptions]:
+    """The compiled forward's fixes, added one at a time: fusion alone (inductor's loops around
+    MKL's GEMMs, attention reading the pool in place), then the weights frozen into the graph,
+    then the GEMMs autotuned (inductor's C++ template, up to 32 tokens), then the larger steps'
+    prompt chunks attended by segment: the stage as it ships."""
+    from ..runner.compiled import CompileOptions
+
+    return {"fusion": CompileOptions(max_autotune=False, freezing=False,
+                                     segment_attention_min_tokens=None),
+            "+ freezing": CompileOptions(max_autotune=False, segment_attention_min_tokens=None),
+            "+ autotuned GEMMs": CompileOptions(segment_attention_min_tokens=None),
+            "+ attention by segment": CompileOptions()}
+
+
+def record_ablation(lm: LoadedModel) -> Path:
+    """What each fix bought: chapter 06's static ``paged-attention`` engine on its eager forward
+    and on the compiled forward with each of :func:`ablation_options`, in one offline benchmark
+    (batch 1 and 8; at batch 8 the TTFT is one 512-token prompt step) -> ``-ablation.csv``."""
+    from ..runner.compiled import CompiledForward
+
+    dev = lm.device
+    base = default_workload(dev)[1]
+    # Every step the benchmark runs: both prompts (batch x prompt tokens) and both decodes.
+    steps = (*BATCH_SIZES, *(b * base.prompt_len for b in BATCH_SIZES))
+    engines = {"paged-attention": make_engine("paged-attention", lm)}
+    for fix, options in ablation_options().items():
+        engine = make_engine("paged-attention", lm)
+        engine.runner.forward = CompiledForward(lm.model, engine.kv_cache, options)
+        engine.runner.forward.warm_up(steps)
+        engines[f"compiled: {fix}"] = engine
+    config = replace(base, engines=tuple(engines), batch_sizes=BATCH_SIZES, chapter="11")
+    bench = run_bench(lm, config, engines, speed=device_speed(dev))
+    print(summary_table(bench, ("tok_s", "step_ms", "ttft_ms")).to_string(index=False))
+    path = _path(dev, "-ablation")
+    bench.to_csv(path, index=False)
+    return _wrote(path)[0]
+
+
+def served_experiments(dev: torch.device, peer: bool) -> dict[str, ServingBenchConfig]:
+    """Chapter 08's ``target`` workload with ``continuous``, ``compiled`` and vLLM, and its
+    ``budget`` sweep with ``compiled`` and vLLM (each budget one point of the wde post's
+    throughput-latency curve)."""
     _, experiments = serving_experiments(dev)
-    served = ("continuous", "compiled", *(s for s in systems if s == VLLM))
-    serving = {"target": replace(experiments["target"], systems=served, chapter="11")}
-    return [bench_path, compile_path, *record_serving(dev, "11", model, serving)[1]]
+    vllm = (VLLM,) if peer else ()
+    return {"target": replace(experiments["target"], systems=("continuous", "compiled", *vllm),
+                              chapter="11"),
+            "budget": replace(experiments["budget"], systems=("compiled", *vllm),
+                              chapter="11")}
+
+
+def record_served(lm: LoadedModel, peer: bool) -> list[Path]:
+    """:func:`served_experiments` in-process -> ``-{runs,requests,steps}.csv``."""
+    return record_serving(lm.device, "11", lm.name, served_experiments(lm.device, peer))[1]
+
+
+def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool) -> Path:
+    """The target workload over HTTP, measured at the client (chapter 10's ``bench-serving
+    --base-url``): our server on the compiled stage, then (``with_peer``) ``vllm serve``, each
+    with the target's token budget -> ``-http.csv``, one row per server. vLLM serves SmolLM2
+    from its directory, so with another model only ours is recorded."""
+    from ..bench.peers.vllm_server import start_vllm_server
+    from ..server import ServerProcess
+
+    budget = target.max_num_batched_tokens[0]
+    runs = []
+    with ServerProcess(lm.name, "--engine", "compiled", "--max-num-batched-tokens", str(budget),
+                       timeout=SERVER_START_S) as ours:
+        runs.append(run_http_bench(lm, ours.base_url, target.workload, chapter="11")
+                    .runs.assign(server="compiled", peer_version=""))
+    if with_peer and lm.name == "smollm2-135m":
+        with start_vllm_server(smollm2_cache(), lm.name, port=free_port(),
+                               max_num_batched_tokens=budget) as vllm_serve:
+            runs.append(run_http_bench(lm, vllm_serve.base_url, target.workload, chapter="11")
+                        .runs.assign(server=VLLM, peer_version=vllm_serve.version))
+    table = pd.concat(runs, ignore_index=True).assign(max_num_batched_tokens=budget)
+    print(table[["server", "output_throughput", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]]
+          .to_string(index=False))
+    path = _path(lm.device, "-http")
+    table.to_csv(path, index=False)
+    return _wrote(path)[0]
+
+
+def _path(dev: torch.device, suffix: str) -> Path:
+    out_dir = RESULTS / "ch11"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / f"{device_slug(dev)}{suffix}.csv"
+
+
+def _wrote(*paths: Path) -> list[Path]:
+    for path in paths:
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    return list(paths)

@@ -19,7 +19,8 @@ from ..core.models import smollm2_cache
 from .results import RESULTS
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -50,7 +51,7 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
             rows.append({"server": "miniinfer", "backend": backend,
                          **run_vllm_bench_serve(ours.url, model, tokenizer, backend, prompts)})
             print(rows[-1])
-    with start_vllm_server(tokenizer, model, port=_free_port(),
+    with start_vllm_server(tokenizer, model, port=free_port(),
                            max_num_batched_tokens=max_num_batched_tokens) as peer:
         for backend in ENDPOINTS:
             rows.append({"server": f"vllm serve ({peer.version})", "backend": backend,

@@ -78,7 +78,7 @@ COSTS = {
         engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1, "compiled": 0.45,
                        "vllm": 0.5},
         serving_tok_s={"continuous": 114, "prefix-cache": 114, "static-paged-attention": 64,
-                       "static-hf": 48, "hf-cb": 67, "compiled": 230, "vllm": 230}),
+                       "static-hf": 48, "hf-cb": 67, "compiled": 120, "vllm": 120}),
     # One H100 with Qwen2.5-7B bf16 (15 GB of weights: 4.5 ms a step at 3.35 TB/s), eager
     # engines bound by the host's kernel launches. Assumed, not measured yet: the first GPU
     # run's CSVs should replace these.
@@ -153,7 +153,8 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
 
 # Fixed costs on a CPU, seen on a 2-core EPYC: the compiled stage's warm-up compiles a graph per
 # token bucket, about 11 minutes from a cold inductor cache and 3-4 from a warm one (chapter 11
-# builds two such engines); each vLLM engine or server starts in 2-6 minutes.
+# compiles in two processes: its own, whose engines then share the graphs, and its server's);
+# each vLLM engine or server starts in 2-6 minutes.
 COMPILE_S = 2 * 660
 VLLM_START_S = 2 * 240
 
@@ -181,9 +182,10 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:
-    """The offline benchmark at batch 1 and 8, the compile times and chapter 08's target
-    workload with ``continuous``, ``compiled`` and vLLM (counted whether or not the peer is
-    installed: an upper bound), with vLLM's start-ups."""
+    """The offline benchmark at batch 1 and 8, the compile times, the ablation, chapter 08's
+    target workload with ``continuous``, ``compiled`` and vLLM, its budget sweep with ``compiled`` and vLLM,
+    and the target workload over HTTP against our compiled server and ``vllm serve``
+    (vLLM counted whether or not the peer is installed: an upper bound), with the start-ups."""
     from .catching import BATCH_SIZES
 
     model, base = default_workload(device)
@@ -191,16 +193,28 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
         return ChapterPlan(model, "-", (), (), "nothing on a GPU yet (CPU only for now)", 0, 0.0)
     config = replace(base, engines=CHAPTERS["11"].engines_for(device.type),
                      batch_sizes=BATCH_SIZES)
-    target = serving_experiments(device)[1]["target"]
-    # The peer's run is counted by hand: a config naming vllm needs the peer installed.
-    served = replace(target, systems=("continuous", "compiled"))
-    w = target.workload
-    seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + VLLM_START_S
-               + serving_plan(model, {"target": served}, device, "target").estimate_s
-               + w.num_requests * sum(w.output_len) / 2 / device_costs(device).serving_tok_s["vllm"])
+    experiments = serving_experiments(device)[1]
+    target, budget = experiments["target"], experiments["budget"]
+    ours = serving_plan(model, {"target": replace(target, systems=("continuous", "compiled")),
+                                "budget": replace(budget, systems=("compiled",))},
+                        device, "target").estimate_s
+    # The peer's runs are counted by hand (a config naming vllm needs the peer installed):
+    # the target workload in-process and over HTTP, and one run per budget, each in a vLLM
+    # of its own; our server's run over HTTP is one more target run.
+    tok_s = device_costs(device).serving_tok_s["vllm"]
+    target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
+    budget_s = budget.workload.num_requests * sum(budget.workload.output_len) / 2 / tok_s
+    vllm_starts = 3 + len(budget.max_num_batched_tokens)
+    # The ablation: chapter 06's engine eager and on four compiled forwards, two of which
+    # compile their own graphs (the others' come from the stage's, through inductor's cache).
+    ablation = replace(config, engines=("paged-attention", *4 * ("compiled",)))
+    seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
+               + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
+               + vllm_starts * VLLM_START_S / 2 + 3 * target_s
+               + len(budget.max_num_batched_tokens) * budget_s)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
-                          f"target workload")
+                          f"target workload (in-process and over HTTP) and budget sweep")
 
 
 def chapter12_plan(device: torch.device) -> ChapterPlan:

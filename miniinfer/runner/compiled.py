@@ -47,8 +47,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-import weakref
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -65,6 +65,8 @@ from .attention import MixedBatchMetadata, PagedAttentionMetadata
 from .compiled_attention import fused_paged_attention, segment_attention
 from .direct import DirectForward, PagedAttend, _linear, _rope
 
+# Graphs dynamo may keep per compiled function (see CompiledForward.__init__).
+RECOMPILE_LIMIT = 512
 # The oldest torch whose inductor has the C++ GEMM template and freezing on CPU as used here.
 MIN_TORCH = (2, 6)
 
@@ -246,11 +248,15 @@ class CompiledForward:
         # Config that must hold while dynamo traces, not only while inductor compiles (what
         # torch.compile's options= covers): freezing decides how dynamo lifts the weights.
         # And one graph per bucket, for the body and the head each, is more than dynamo keeps
-        # for one function by default (8). Prebuilt patches: entering one costs ~7 us.
+        # for one function by default (8); forwards with other options (chapter 11's ablation)
+        # add theirs to the same code, and past the limit dynamo would silently run a bucket
+        # eagerly. Our graphs are one per bucket and kind by design (a test keeps the count
+        # flat after warm-up), so the limit only has to be out of the way. Prebuilt patches:
+        # entering one costs ~7 us.
         self._patches = (
             torch._inductor.config.patch(freezing=self.options.freezing),
             torch._dynamo.config.patch(recompile_limit=max(
-                torch._dynamo.config.recompile_limit, 2 * len(self.options.token_buckets))),
+                torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)),
         )
         self.reason_eager = compile_unavailable_reason(self.device)
         if self.reason_eager is not None:

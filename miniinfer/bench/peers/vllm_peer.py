@@ -219,6 +219,7 @@ class VLLMEngine(Engine):
     summary = "vLLM, the peer: its own venv (make peers) and process"
 
     def __init__(self, lm: LoadedModel, *, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None,
                  kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, enforce_eager: bool = False,
                  install: PeerInstall | None = None) -> None:
         super().__init__(lm)
@@ -231,6 +232,8 @@ class VLLMEngine(Engine):
                 "--dtype", str(lm.dtype).removeprefix("torch.")]
         if max_num_batched_tokens is not None:
             args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if max_num_seqs is not None:
+            args += ["--max-num-seqs", str(max_num_seqs)]
         if enforce_eager:
             args.append("--enforce-eager")
         self.process = PeerProcess(self.install.python, DRIVER, args, peer_env(kv_cache_gib))

@@ -36,6 +36,8 @@ STATIC_PREFIX = "static-"
 # transformers' default KV block for its continuous batching; at 16 tokens its CPU path is
 # several times slower, so it gets its own default (and the same KV memory as ours).
 HF_CB_BLOCK_SIZE = 256
+# vLLM's default cap on the requests it runs at once (LLM and `vllm serve`, CPU build too).
+VLLM_MAX_NUM_SEQS = 256
 # Our engines that serve request by request (``add_request``/``step``), with a token budget.
 # Systems stepped by our scheduler: every stage built on chapter 08's engine.
 STEPPED_SYSTEMS = tuple(name for name, cls in ENGINES.items() if issubclass(cls, ContinuousEngine))
@@ -241,7 +243,11 @@ class Systems:
                 from ..peers.vllm_peer import VLLMEngine
 
                 # The same token budget, and at least our pool's KV memory (vLLM takes GiB).
+                # Under a budget of fewer tokens than vLLM's default number of running
+                # requests vLLM refuses to start; ours can run no more requests than the
+                # budget has tokens (a decode costs one), so that is vLLM's cap there too.
                 engine = VLLMEngine(self.lm, max_num_batched_tokens=budget,
+                                    max_num_seqs=budget if budget < VLLM_MAX_NUM_SEQS else None,
                                     kv_cache_gib=max(1, math.ceil(self.kv_cache_bytes / 2**30)))
             else:
                 engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
