@@ -86,7 +86,8 @@ FAKE_VLLM = {
         class LLM:
             def __init__(self, model, **kwargs):
                 assert os.path.exists(os.path.join(model, "config.json")), model
-                print("fake vllm: starting")
+                print("fake vllm: starting; multiprocessing "
+                      + os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "default"))
                 self.llm_engine = _Engine(kwargs)
                 self.resets = 0
 
@@ -310,6 +311,21 @@ def test_driver_warmup_repeat_and_prefix_cache_resets(fake_engine):
         assert [r["token_ids"] for r in run["requests"]] == [[3, 4, 5], [8]]
         assert [len(r["token_times_s"]) for r in run["requests"]] == [3, 1]
         assert run["duration_s"] >= run["requests"][0]["token_times_s"][-1]
+
+
+def test_a_profiled_job_answers_its_run_and_every_op_by_self_time(tiny, fake_vllm):
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
+    try:
+        run, ops = engine.profile([{"prompt_ids": [1, 2], "max_tokens": 3}],
+                                  SamplingParams(ignore_eos=True))
+        log = engine.process.log_path.read_text()
+    finally:
+        engine.close()
+    assert [r["token_ids"] for r in run["requests"]] == [[3, 4, 5]]
+    # The engine core was asked to run in the driver's process, where the profiler sees it.
+    assert "fake vllm: starting; multiprocessing 0" in log
+    assert all(set(op) == {"op", "calls", "self_ms", "total_ms"} for op in ops)
+    assert [op["self_ms"] for op in ops] == sorted((op["self_ms"] for op in ops), reverse=True)
 
 
 def test_driver_adds_requests_at_their_arrival(fake_engine, tiny):

@@ -12,7 +12,9 @@ Each table's rows come from one run, so that its ratios compare like with like:
   (``compiled``) and vLLM's offline ``LLM.generate``; the ``budget`` experiment, ``compiled``
   and vLLM at each of chapter 08's token budgets (the throughput-latency curve);
 - the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
-  10 does: ``serve --engine compiled`` and ``vllm serve``, one row each.
+  10 does: ``serve --engine compiled`` and ``vllm serve``, one row each;
+- the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
+  where each engine's time goes, op by op.
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 
@@ -34,6 +36,7 @@ from ..bench.serving import ServingBenchConfig
 from ..bench.serving.http import run_http_bench
 from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
 from ..core.models import LoadedModel, load_model, resolve_device, smollm2_cache
+from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from .chapters import CHAPTERS
 from .client_bench import free_port
@@ -48,6 +51,8 @@ BATCH_SIZES = (1, 8)  # the issue's rows: one request alone, and a batch
 # Our compiled server compiles (or loads from inductor's cache) a graph per bucket before its
 # port answers: 3-4 minutes from a warm cache on 2 cores, over 10 from a cold one.
 SERVER_START_S = 1800.0
+# In a profile, the code inductor generated: its fused loops and, where autotuned, GEMM templates.
+COMPILED_GRAPHS = "compiled graphs (inductor's generated code)"
 
 
 def peer_available() -> bool:
@@ -76,7 +81,9 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     written = record_offline(lm, peer)
     written.append(record_ablation(lm))
     written += record_served(lm, peer)
-    written.append(record_http(lm, served_experiments(dev, peer)["target"], peer))
+    target = served_experiments(dev, peer)["target"]
+    written.append(record_http(lm, target, peer))
+    written.append(record_profiles(lm, target, peer))
     return written
 
 
@@ -186,6 +193,59 @@ def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool) ->
     path = _path(lm.device, "-http")
     table.to_csv(path, index=False)
     return _wrote(path)[0]
+
+
+def record_profiles(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool) -> Path:
+    """The target workload once more per engine, under torch.profiler (CPU activity), after a
+    plain run: ``compiled`` in this process and, ``with_peer``, vLLM with its engine core in
+    its driver's process -> ``-profile.csv``, every op's calls and self time per engine, with
+    its share of the run. (Inductor's generated loops and GEMM templates count as the
+    compiled graphs' own time, one entry: :data:`COMPILED_GRAPHS`.)"""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..bench.peers.vllm_peer import VLLMEngine
+    from ..bench.serving import make_workload, serve_continuous
+
+    budget = target.max_num_batched_tokens[0]
+    workload = make_workload(lm, target.workload)
+    tables = []
+    engine = make_engine("compiled", lm, max_num_batched_tokens=budget)
+    serve_continuous(engine, workload)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run = serve_continuous(engine, workload)
+    ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+            "total_ms": e.cpu_time_total / 1e3} for e in prof.key_averages()]
+    tables.append(_ops_table(ops, "compiled", run.end - run.start))
+    engine.close()
+    if with_peer:
+        vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
+        try:
+            peer_run, ops = vllm.profile(
+                [{"prompt_ids": w.prompt_ids, "max_tokens": w.max_new_tokens} for w in workload],
+                SamplingParams(ignore_eos=True))
+        finally:
+            vllm.close()
+        tables.append(_ops_table(ops, VLLM, peer_run["duration_s"]).assign(
+            peer_version=vllm.version))
+    table = pd.concat(tables, ignore_index=True).assign(
+        max_num_batched_tokens=budget, num_requests=len(workload), model=lm.name,
+        **run_metadata(lm.device))
+    for system, ops in table.groupby("system", sort=False):
+        print(f"{system}:\n{ops.head(8)[['op', 'calls', 'self_ms', 'share_pct']].to_string(index=False)}")
+    path = _path(lm.device, "-profile")
+    table.to_csv(path, index=False)
+    return _wrote(path)[0]
+
+
+def _ops_table(ops: list[dict], system: str, run_s: float) -> pd.DataFrame:
+    """Ops by self time, each compiled graph's calls (named by a hash) counted as one op."""
+    table = pd.DataFrame(ops)
+    table["op"] = table.op.str.replace(r"^## Call CompiledFxGraph .* ##$", COMPILED_GRAPHS,
+                                       regex=True)
+    table = table.groupby("op", as_index=False)[["calls", "self_ms", "total_ms"]].sum() \
+        .sort_values("self_ms", ascending=False, ignore_index=True)
+    return table.assign(system=system, run_s=run_s,
+                        share_pct=100 * table.self_ms / table.self_ms.sum())
 
 
 def _path(dev: torch.device, suffix: str) -> Path:

@@ -19,8 +19,8 @@ RECORDINGS = {
     "serving": "serving workloads (rate, budget and batching sweeps)",
     "prefix": "shared-prefix and multi-turn serving workloads",
     "server": "the target workload in-process and over HTTP",
-    "catching": "offline benchmark, ablation, compile times, the target workload (in-process and "
-                "over HTTP) and the budget sweep, beside vLLM",
+    "catching": "offline benchmark, ablation, compile times, the target workload (in-process, "
+                "over HTTP, profiled) and the budget sweep, beside vLLM",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
 }
 

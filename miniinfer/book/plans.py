@@ -183,9 +183,10 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:
     """The offline benchmark at batch 1 and 8, the compile times, the ablation, chapter 08's
-    target workload with ``continuous``, ``compiled`` and vLLM, its budget sweep with ``compiled`` and vLLM,
-    and the target workload over HTTP against our compiled server and ``vllm serve``
-    (vLLM counted whether or not the peer is installed: an upper bound), with the start-ups."""
+    target workload with ``continuous``, ``compiled`` and vLLM, its budget sweep with
+    ``compiled`` and vLLM, the target workload over HTTP against our compiled server and
+    ``vllm serve``, and both engines profiled on it (vLLM counted whether or not the peer is
+    installed: an upper bound), with the start-ups."""
     from .catching import BATCH_SIZES
 
     model, base = default_workload(device)
@@ -199,22 +200,23 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
                                 "budget": replace(budget, systems=("compiled",))},
                         device, "target").estimate_s
     # The peer's runs are counted by hand (a config naming vllm needs the peer installed):
-    # the target workload in-process and over HTTP, and one run per budget, each in a vLLM
-    # of its own; our server's run over HTTP is one more target run.
+    # the target workload in-process, over HTTP and profiled (two runs), and one run per
+    # budget, each in a vLLM of its own; our server's run over HTTP and our profile's two
+    # runs are three more target runs.
     tok_s = device_costs(device).serving_tok_s["vllm"]
     target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
     budget_s = budget.workload.num_requests * sum(budget.workload.output_len) / 2 / tok_s
-    vllm_starts = 3 + len(budget.max_num_batched_tokens)
+    vllm_starts = 4 + len(budget.max_num_batched_tokens)
     # The ablation: chapter 06's engine eager and on four compiled forwards, two of which
     # compile their own graphs (the others' come from the stage's, through inductor's cache).
     ablation = replace(config, engines=("paged-attention", *4 * ("compiled",)))
     seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
                + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
-               + vllm_starts * VLLM_START_S / 2 + 3 * target_s
+               + vllm_starts * VLLM_START_S / 2 + 7 * target_s
                + len(budget.max_num_batched_tokens) * budget_s)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
-                          f"target workload (in-process and over HTTP) and budget sweep")
+                          f"target workload (in-process, over HTTP, profiled) and budget sweep")
 
 
 def chapter12_plan(device: torch.device) -> ChapterPlan:

@@ -9,11 +9,12 @@ stops at the end of stdin. A job::
 
     {"requests": [{"prompt_ids": [...], "max_tokens": 64, "arrival_s": 0.0}, ...],
      "sampling": {"temperature": 0.0, "ignore_eos": true, ...},
-     "warmup": 0, "repeat": 1, "reset_prefix_cache": true}
+     "warmup": 0, "repeat": 1, "reset_prefix_cache": true, "profile": false}
 
 its answer ``{"runs": [{"duration_s": ..., "requests": [{"token_ids": [...], "scheduled_s":
 ..., "token_times_s": [...]}, ...]}, ...]}`` (one run per repeat, times in seconds from the
-run's start), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
+run's start), with ``"ops": [{"op": ..., "calls": ..., "self_ms": ..., "total_ms": ...}, ...]``
+for a profiled job (the last run's, under torch.profiler), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
 else that writes to file descriptor 1 (its engine process too), go to stderr.
 
 A run is what ``LLM.generate`` does with every request at once, the engine's own ``step()``
@@ -83,12 +84,29 @@ def run_job(llm, job: dict[str, Any]) -> dict[str, Any]:
     requests, sampling = job["requests"], job.get("sampling", {})
     for _ in range(job.get("warmup", 0)):
         serve_once(llm, requests, sampling)
-    runs = []
+    runs, ops = [], None
     for _ in range(job.get("repeat", 1)):
         if job.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()  # every run starts cold, like our prefix-cache engine
-        runs.append(serve_once(llm, requests, sampling))
-    return {"runs": runs}
+        if job.get("profile"):
+            runs.append(None)
+            runs[-1], ops = profiled(lambda: serve_once(llm, requests, sampling))
+        else:
+            runs.append(serve_once(llm, requests, sampling))
+    return {"runs": runs} if ops is None else {"runs": runs, "ops": ops}
+
+
+def profiled(run) -> tuple[Any, list[dict[str, Any]]]:
+    """``run()`` under torch.profiler (CPU activity): its result and every op's totals, by
+    self time. It sees the model's ops only where the engine runs in this process (the
+    driver's ``--in-process``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = run()
+    ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+            "total_ms": e.cpu_time_total / 1e3} for e in prof.key_averages()]
+    return result, sorted(ops, key=lambda op: -op["self_ms"])
 
 
 def _engine_facts(llm) -> dict[str, Any]:
@@ -109,8 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--in-process", action="store_true",
+                        help="run vLLM's engine core in this process (a profile can see it)")
     args = parser.parse_args(argv)
     answers = _protocol_stream()
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
     def answer(message: dict[str, Any]) -> None:
         answers.write(json.dumps(message) + "\n")

@@ -221,6 +221,7 @@ class VLLMEngine(Engine):
     def __init__(self, lm: LoadedModel, *, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None,
                  kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, enforce_eager: bool = False,
+                 in_process: bool = False,
                  install: PeerInstall | None = None) -> None:
         super().__init__(lm)
         self.install = install or find_vllm()
@@ -236,6 +237,8 @@ class VLLMEngine(Engine):
             args += ["--max-num-seqs", str(max_num_seqs)]
         if enforce_eager:
             args.append("--enforce-eager")
+        if in_process:  # its engine core in the driver's process, where a profile sees it
+            args.append("--in-process")
         self.process = PeerProcess(self.install.python, DRIVER, args, peer_env(kv_cache_gib))
         self.engine_config = {k: v for k, v in self.process.ready.items() if k != "ready"}
 
@@ -245,6 +248,14 @@ class VLLMEngine(Engine):
         return self.process.ask({"requests": requests, "sampling": _sampling(params),
                                  "warmup": warmup, "repeat": repeat,
                                  "reset_prefix_cache": reset_prefix_cache})["runs"]
+
+    def profile(self, requests: list[dict[str, Any]], params: SamplingParams,
+                warmup: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """One run of ``requests`` under torch.profiler, after ``warmup`` plain ones: the run
+        and its ops by self time (meaningful for an engine built ``in_process``)."""
+        answer = self.process.ask({"requests": requests, "sampling": _sampling(params),
+                                   "warmup": warmup, "repeat": 1, "profile": True})
+        return answer["runs"][0], answer["ops"]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         start = time.perf_counter()
