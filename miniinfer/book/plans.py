@@ -184,9 +184,9 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 def chapter11_plan(device: torch.device) -> ChapterPlan:
     """The offline benchmark at batch 1 and 8, the compile times, the ablation, chapter 08's
     target workload with ``continuous``, ``compiled`` and vLLM, its budget sweep with
-    ``compiled`` and vLLM, the target workload over HTTP against our compiled server and
-    ``vllm serve``, and both engines profiled on it (vLLM counted whether or not the peer is
-    installed: an upper bound), with the start-ups."""
+    ``compiled`` and vLLM, the target workload over HTTP against our
+    compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
+    or not the peer is installed: an upper bound), with the start-ups."""
     from .catching import BATCH_SIZES
 
     model, base = default_workload(device)

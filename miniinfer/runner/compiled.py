@@ -217,7 +217,7 @@ class _Head(nn.Module):
 
 # Each model's compiled functions, by options (see CompiledForward.__init__); weak, so a
 # model let go takes its graphs with it.
-_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, tuple[dict, dict]]] = \
+_SHARED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, tuple[dict, dict, set]]] = \
     weakref.WeakKeyDictionary()
 
 
@@ -277,8 +277,10 @@ class CompiledForward:
                     _Body(model, self.block_size, by_segment,
                           self.options.fused_attention_rows), tuned)
                  for tuned in (True, False) for by_segment in (True, False)},
-                {tuned: self._compile(head, tuned) for tuned in (True, False)})
-        self.body, self.head = shared[key]
+                {tuned: self._compile(head, tuned) for tuned in (True, False)},
+                set())
+        # The (graph, bucket) pairs any sharer has compiled (see _run).
+        self.body, self.head, self._compiled = shared[key]
         if self.device.type == "cuda":
             # CUDA graphs replay fixed addresses: the pool, which every step writes, must be
             # an address the graphs may keep (mutating any other input would disable them).
@@ -394,9 +396,10 @@ class CompiledForward:
         # weights to inductor's own GEMM template (packed as plain tensors) instead of packing
         # them as oneDNN/MKL tensors, which inductor's on-disk cache cannot store (every
         # process would compile again). The compiled graph does not depend on the flag.
-        first = nullcontext() if key in self.compile_seconds else _onednn_disabled()
+        first = nullcontext() if key in self._compiled else _onednn_disabled()
         with self._patches[0], self._patches[1], first:
             out = graph(*args)
+        self._compiled.add(key)
         if stats["unique_graphs"] != graphs:
             self.num_compiles += stats["unique_graphs"] - graphs
             self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) \

@@ -221,11 +221,18 @@ class VLLMEngine(Engine):
     def __init__(self, lm: LoadedModel, *, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None,
                  kv_cache_gib: int = DEFAULT_KV_CACHE_GIB, enforce_eager: bool = False,
-                 in_process: bool = False,
+                 in_process: bool = True,
                  install: PeerInstall | None = None) -> None:
         super().__init__(lm)
         self.install = install or find_vllm()
-        self.version = self.install.label
+        # What ran, for the results: the build, and where its engine core ran. vLLM's default
+        # puts the engine core in a process of its own; on our 2-core CPU that cost it
+        # 1.5-1.6x (batch 1 and 8, and chapter 08's workload: 21 vs 31, 115 vs 178 and 127 vs
+        # 201 tok/s, one run), the two processes contending for the cores. In-process
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=0, which the driver's --in-process sets) is the
+        # faster peer here, so it is the default; in_process=False measures vLLM's own.
+        self.version = f"{self.install.label} (engine core in-process)" if in_process \
+            else self.install.label
         if lm.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise InvalidRequestError(f"vLLM runs float32, bfloat16 or float16, not {lm.dtype}")
         model_dir, self._model_tmp = peer_model_dir(lm)
@@ -237,7 +244,7 @@ class VLLMEngine(Engine):
             args += ["--max-num-seqs", str(max_num_seqs)]
         if enforce_eager:
             args.append("--enforce-eager")
-        if in_process:  # its engine core in the driver's process, where a profile sees it
+        if in_process:  # its engine core in the driver's process (and a profile sees it)
             args.append("--in-process")
         self.process = PeerProcess(self.install.python, DRIVER, args, peer_env(kv_cache_gib))
         self.engine_config = {k: v for k, v in self.process.ready.items() if k != "ready"}
@@ -252,7 +259,7 @@ class VLLMEngine(Engine):
     def profile(self, requests: list[dict[str, Any]], params: SamplingParams,
                 warmup: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """One run of ``requests`` under torch.profiler, after ``warmup`` plain ones: the run
-        and its ops by self time (meaningful for an engine built ``in_process``)."""
+        and its ops by self time (vLLM's model ops only for an engine built ``in_process``)."""
         answer = self.process.ask({"requests": requests, "sampling": _sampling(params),
                                    "warmup": warmup, "repeat": 1, "profile": True})
         return answer["runs"][0], answer["ops"]
