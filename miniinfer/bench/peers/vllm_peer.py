@@ -228,7 +228,8 @@ class VLLMEngine(Engine):
         # What ran, for the results: the build, and where its engine core ran. vLLM's default
         # puts the engine core in a process of its own; on our 2-core CPU that cost it
         # 1.5-1.6x (batch 1 and 8, and chapter 08's workload: 21 vs 31, 115 vs 178 and 127 vs
-        # 201 tok/s, one run), the two processes contending for the cores. In-process
+        # 201 tok/s, one run kept in the issue's note, not as a CSV), the two processes
+        # contending for the cores. In-process
         # (VLLM_ENABLE_V1_MULTIPROCESSING=0, which the driver's --in-process sets) is the
         # faster peer here, so it is the default; in_process=False measures vLLM's own.
         self.version = f"{self.install.label} (engine core in-process)" if in_process \
