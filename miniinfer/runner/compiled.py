@@ -396,10 +396,11 @@ class CompiledForward:
         # weights to inductor's own GEMM template (packed as plain tensors) instead of packing
         # them as oneDNN/MKL tensors, which inductor's on-disk cache cannot store (every
         # process would compile again). The compiled graph does not depend on the flag.
-        first = nullcontext() if key in self._compiled else _onednn_disabled()
-        with self._patches[0], self._patches[1], first:
+        first = key not in self._compiled
+        with self._patches[0], self._patches[1], _onednn_disabled() if first else nullcontext():
             out = graph(*args)
-        self._compiled.add(key)
+        if first:
+            self._compiled.add(key)
         if stats["unique_graphs"] != graphs:
             self.num_compiles += stats["unique_graphs"] - graphs
             self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) \
