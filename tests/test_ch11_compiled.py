@@ -16,11 +16,15 @@ from miniinfer import SamplingParams, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
+from miniinfer.runner.onednn_linear import calls as onednn_calls
+from miniinfer.runner.onednn_linear import onednn_available, onednn_linear, prepack_model
 
 # Few buckets and no autotuning keep compiling to seconds (and the second engine's forward
 # reuses the first one's graphs: same weights, same shapes); the largest bucket is small
 # enough that prompts run in several chunks, and attends by segment past its first 4 tokens
-# (so decodes, prompt chunks and padding all go through both kinds of attention).
+# (so decodes, prompt chunks and padding all go through both kinds of attention). The 16-token
+# bucket runs its matmuls through oneDNN's prepacked weights (the default from 16 tokens), the
+# smaller ones through inductor's.
 OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False,
                          segment_attention_min_tokens=16, fused_attention_rows=4)
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -80,11 +84,19 @@ def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
     engine, eager = paged
     compiled = engine.runner.forward
     engine.runner.forward = Compared(eager, compiled)
+    before = dict(onednn_calls)
     try:
         engine.generate(prompts(), GREEDY)
         calls = engine.runner.forward.calls
     finally:
         engine.runner.forward = compiled
+    # Every 16-token step's matmuls went through a packed weight: a layer's 4 (q/k/v and
+    # gate/up merged) in each of the 5 prefill chunks and 11 decode steps, and the LM head's
+    # once for the prefill's last rows and once a decode step.
+    layers = engine.kv_cache.num_layers
+    assert compiled._gemm(16) == "onednn" and compiled._gemm(4) == "template"
+    assert onednn_calls["packed"] - before["packed"] == (5 + 11) * 4 * layers + (1 + 11)
+    assert onednn_calls["unpacked"] == before["unpacked"]
     total = sum(PROMPT_LENGTHS)
     # The prefill (77 tokens: four chunks of 16, then 13 padded to 16) and every decode step
     # (5 tokens padded to 16), each compared.
@@ -223,6 +235,33 @@ def test_rejects_metadata_it_cannot_read_and_bad_buckets():
         with pytest.raises(MiniInferError, match=f"{name} must be a whole number"):
             CompileOptions(**{name: value})
     assert CompileOptions(segment_attention_min_tokens=None).segment_attention_min_tokens is None
+    with pytest.raises(MiniInferError, match="onednn_min_tokens must be a whole number"):
+        CompileOptions(onednn_min_tokens=0)
+    assert CompileOptions(onednn_min_tokens=None).onednn_min_tokens is None
+
+
+@pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
+def test_onednn_linear_reads_merged_prepacked_weights_and_falls_back_without(tiny):
+    merged = prepack_model(tiny.model)
+    assert prepack_model(tiny.model) is merged  # once per model
+    attn, mlp = tiny.model.model.layers[0].self_attn, tiny.model.model.layers[0].mlp
+    qkv = merged[0].qkv
+    # The model's own projections are views into the merged weight: nothing held twice.
+    assert attn.q_proj.weight.data_ptr() == qkv.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == qkv[merged[0].qkv_sizes[0]:].data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == merged[0].gate_up[mlp.gate_proj.out_features:] \
+        .data_ptr()
+    torch.testing.assert_close(
+        qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    x = torch.randn(5, qkv.shape[1])
+    before = dict(onednn_calls)
+    torch.testing.assert_close(onednn_linear(x, qkv, merged[0].qkv_bias),
+                               torch.nn.functional.linear(x, qkv, merged[0].qkv_bias),
+                               rtol=1e-5, atol=1e-5)
+    assert onednn_calls["packed"] == before["packed"] + 1
+    loose = torch.randn(7, qkv.shape[1])  # never prepacked: F.linear, exactly
+    assert torch.equal(onednn_linear(x, loose), torch.nn.functional.linear(x, loose))
+    assert onednn_calls["unpacked"] == before["unpacked"] + 1
 
 
 def test_segment_attention_equals_each_tokens_own_attention():

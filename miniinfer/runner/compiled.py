@@ -64,6 +64,7 @@ from ..core.kv_cache import PagedKVCache
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
 from .compiled_attention import fused_paged_attention, segment_attention
 from .direct import DirectForward, PagedAttend, _linear, _rope
+from .onednn_linear import MergedProjections, onednn_available, onednn_linear, prepack_model
 
 # Graphs dynamo may keep per compiled function (see CompiledForward.__init__).
 RECOMPILE_LIMIT = 512
@@ -90,6 +91,11 @@ class CompileOptions:
     # that stay in cache, while a decode step streams every weight from memory once, and
     # there it picked MKL for batch-8 GEMMs that the template runs faster.
     gemm_backends: str = "CPP"
+    # From this many tokens a bucket's matmuls run through oneDNN over weights reordered for
+    # it once, at load (onednn_linear): what vLLM's CPU steps spend their time in. On our CPU
+    # the step of 16 decodes took 0.75x the autotuned template's time, of 32 0.6x; at 1-8
+    # rows the template was as fast or faster (at 1 row, 0.55x oneDNN's). CPU only; None: never.
+    onednn_min_tokens: int | None = 16
     freezing: bool = True
     # What running one more chunk costs, in tokens' worth of a compute-bound step: reading
     # every weight again, about as long as 16 tokens' matmuls on our CPU (chunk_sizes).
@@ -110,9 +116,9 @@ class CompileOptions:
             raise MiniInferError(f"token_buckets must be increasing token counts >= 1, "
                                  f"got {buckets!r}")
         for name, least in (("fused_attention_rows", 1), ("chunk_cost_tokens", 0),
-                            ("segment_attention_min_tokens", 1)):
+                            ("segment_attention_min_tokens", 1), ("onednn_min_tokens", 1)):
             value = getattr(self, name)
-            if value is None and name == "segment_attention_min_tokens":
+            if value is None and name.endswith("_min_tokens"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise MiniInferError(f"{name} must be a whole number >= {least}, got {value!r}")
@@ -145,10 +151,13 @@ class _Body(nn.Module):
     HF modules are held, not copied: their parameters are what freezing makes constants of."""
 
     def __init__(self, model: PreTrainedModel, block_size: int, by_segment: bool,
-                 fused_rows: int) -> None:
+                 fused_rows: int, merged: list[MergedProjections] | None = None) -> None:
         super().__init__()
         # Whether tokens past the first `fused_rows` attend through segment_attention.
         self.by_segment, self.fused_rows = by_segment, fused_rows
+        # With the layers' merged projections, every matmul runs through oneDNN's prepacked
+        # weights (onednn_linear); without, through F.linear, which inductor compiles.
+        self.merged = merged
         self.embed_tokens = model.model.embed_tokens
         self.layers = model.model.layers
         attention = self.layers[0].self_attn
@@ -182,9 +191,13 @@ class _Body(nn.Module):
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm.forward(hidden)
-            q = _linear(x, attn.q_proj).view(tokens, -1, dim)
-            k = _linear(x, attn.k_proj).view(tokens, -1, dim)
-            v = _linear(x, attn.v_proj).view(tokens, -1, dim)
+            linear = _linear if self.merged is None else _onednn_linear
+            if self.merged is None:
+                q, k, v = _linear(x, attn.q_proj), _linear(x, attn.k_proj), _linear(x, attn.v_proj)
+            else:
+                m = self.merged[i]
+                q, k, v = onednn_linear(x, m.qkv, m.qkv_bias).split(m.qkv_sizes, dim=-1)
+            q, k, v = (t.reshape(tokens, -1, dim) for t in (q, k, v))
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             k_base, v_base = 2 * i * num_slots, (2 * i + 1) * num_slots
             pool.index_put_((slot_mapping + k_base,), k[write_rows])
@@ -195,24 +208,32 @@ class _Body(nn.Module):
                 out = torch.cat([out, segment_attention(
                     q[fused:], pool, k_base, v_base, block_size, real[fused:],
                     position_ids[fused:], token_tables[fused:], self.scale)])
-            hidden = hidden + _linear(out.reshape(tokens, -1), attn.o_proj)
+            hidden = hidden + linear(out.reshape(tokens, -1), attn.o_proj)
             x = layer.post_attention_layernorm.forward(hidden)
             mlp = layer.mlp
-            hidden = hidden + _linear(
-                mlp.act_fn(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj), mlp.down_proj)
+            if self.merged is None:
+                gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
+            else:
+                gate, up = onednn_linear(x, self.merged[i].gate_up).chunk(2, dim=-1)
+            hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj)
         return hidden
 
 
 class _Head(nn.Module):
     """The final norm and the LM head over the rows that need logits."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, linear=_linear) -> None:
         super().__init__()
         self.norm = model.model.norm
         self.lm_head = model.lm_head
+        self.linear = linear
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return _linear(self.norm.forward(hidden), self.lm_head)
+        return self.linear(self.norm.forward(hidden), self.lm_head)
+
+
+def _onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return onednn_linear(x, layer.weight, layer.bias)
 
 
 # Each model's compiled functions, by options (see CompiledForward.__init__); weak, so a
@@ -270,14 +291,18 @@ class CompiledForward:
         # CPU, even from inductor's disk cache), and pile up graphs on the same code.
         shared = _SHARED.setdefault(model, {})
         key = (dataclasses.astuple(self.options), self.block_size, str(self.device))
+        # Once per model: weights merged and prepacked, kept while the model lives.
+        merged = prepack_model(model) if self._uses_onednn else None
         if key not in shared:
-            head = _Head(model)
+            kinds = {"template": None, "aten": None, "onednn": merged}
             shared[key] = (
-                {(tuned, by_segment): self._compile(
+                {(gemm, by_segment): self._compile(
                     _Body(model, self.block_size, by_segment,
-                          self.options.fused_attention_rows), tuned)
-                 for tuned in (True, False) for by_segment in (True, False)},
-                {tuned: self._compile(head, tuned) for tuned in (True, False)},
+                          self.options.fused_attention_rows, projections), gemm == "template")
+                 for gemm, projections in kinds.items() for by_segment in (True, False)},
+                {gemm: self._compile(
+                    _Head(model, _linear if projections is None else _onednn_linear),
+                    gemm == "template") for gemm, projections in kinds.items()},
                 set())
         # The (graph, bucket) pairs any sharer has compiled (see _run).
         self.body, self.head, self._compiled = shared[key]
@@ -289,6 +314,10 @@ class CompiledForward:
     @property
     def compiled(self) -> bool:
         return self.reason_eager is None
+
+    @property
+    def _uses_onednn(self) -> bool:
+        return self.options.onednn_min_tokens is not None and onednn_available(self.device)
 
     def _compile(self, module: nn.Module, tuned: bool):
         autotune = self.options.max_autotune and tuned
@@ -364,7 +393,7 @@ class CompiledForward:
         # is once per context position.
         cos, sin = self.rotary(self.dtype_probe, position_ids[None])
         torch._dynamo.mark_dynamic(tables, 1)
-        graph = self.body[self._tuned(bucket), self._by_segment(bucket)]
+        graph = self.body[self._gemm(bucket), self._by_segment(bucket)]
         return self._run(("body", bucket), graph, input_ids, position_ids, cos[0], sin[0],
                          slot_mapping, rows, tables, self.pool)
 
@@ -378,10 +407,14 @@ class CompiledForward:
         bucket = self.bucket(num_rows)
         if hidden.shape[0] != bucket:
             hidden = F.pad(hidden[:num_rows], (0, 0, 0, bucket - num_rows))
-        return self._run(("head", bucket), self.head[self._tuned(bucket)], hidden)[:num_rows]
+        return self._run(("head", bucket), self.head[self._gemm(bucket)], hidden)[:num_rows]
 
-    def _tuned(self, bucket: int) -> bool:
-        return bucket <= self.options.autotune_max_tokens
+    def _gemm(self, bucket: int) -> str:
+        """Which matmuls a bucket's graph runs: ``onednn`` (prepacked, see onednn_linear),
+        ``template`` (inductor's autotuned GEMM template) or ``aten`` (MKL, untuned)."""
+        if self._uses_onednn and bucket >= self.options.onednn_min_tokens:
+            return "onednn"
+        return "template" if bucket <= self.options.autotune_max_tokens else "aten"
 
     def _by_segment(self, bucket: int) -> bool:
         threshold = self.options.segment_attention_min_tokens
