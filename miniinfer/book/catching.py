@@ -118,14 +118,18 @@ def ablation_options() -> dict[str, CompileOptions]:
     """The compiled forward's fixes, added one at a time: fusion alone (inductor's loops around
     MKL's GEMMs, attention reading the pool in place), then the weights frozen into the graph,
     then the GEMMs autotuned (inductor's C++ template, up to 32 tokens), then the larger steps'
-    prompt chunks attended by segment: the stage as it ships."""
+    prompt chunks attended by segment, then the matmuls of steps from 16 tokens through
+    oneDNN's prepacked weights: the stage as it ships."""
     from ..runner.compiled import CompileOptions
 
-    return {"fusion": CompileOptions(max_autotune=False, freezing=False,
-                                     segment_attention_min_tokens=None),
-            "+ freezing": CompileOptions(max_autotune=False, segment_attention_min_tokens=None),
-            "+ autotuned GEMMs": CompileOptions(segment_attention_min_tokens=None),
-            "+ attention by segment": CompileOptions()}
+    eager_gemms = CompileOptions(onednn_min_tokens=None)
+    return {"fusion": replace(eager_gemms, max_autotune=False, freezing=False,
+                              segment_attention_min_tokens=None),
+            "+ freezing": replace(eager_gemms, max_autotune=False,
+                                  segment_attention_min_tokens=None),
+            "+ autotuned GEMMs": replace(eager_gemms, segment_attention_min_tokens=None),
+            "+ attention by segment": eager_gemms,
+            "+ oneDNN prepacked GEMMs": CompileOptions()}
 
 
 def record_ablation(lm: LoadedModel) -> Path:
