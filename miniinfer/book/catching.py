@@ -5,6 +5,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
 - the offline benchmark (``<device>.csv``): hf, chapter 06's ``paged-attention`` (our best
   eager stage), the ``compiled`` stage and, when installed, the peer ``vllm``, at batch 1 and 8;
   the compiled forward's compile time per graph goes to ``<device>-compile.csv``;
+- the same benchmark in bf16 (``<device>-bf16.csv``): hf, ``compiled`` and vLLM with the model's
+  weights and activations in bfloat16, where the CPU computes in it;
 - the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
   eager forward and on the compiled one with its fixes added one at a time;
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
@@ -79,6 +81,8 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     model, _ = default_workload(dev)
     lm = load_model(model, device=dev)
     written = record_offline(lm, peer)
+    if bf16_supported(dev):
+        written.append(record_bf16(lm, peer))
     written += record_served(lm, peer)
     target = served_experiments(dev, peer)["target"]
     written.append(record_http(lm, target, peer))
@@ -152,6 +156,37 @@ def record_ablation(lm: LoadedModel) -> Path:
     bench = run_bench(lm, config, engines, speed=device_speed(dev))
     print(summary_table(bench, ("tok_s", "step_ms", "ttft_ms")).to_string(index=False))
     path = _path(dev, "-ablation")
+    bench.to_csv(path, index=False)
+    return _wrote(path)[0]
+
+
+def bf16_supported(dev: torch.device) -> bool:
+    """Whether this CPU has bf16 arithmetic (AVX-512 BF16 or AMX): without it, bf16 runs as
+    emulated conversions, and a bf16 row would measure those."""
+    return dev.type == "cpu" and torch.backends.mkldnn.is_available() and \
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def record_bf16(lm: LoadedModel, peer: bool) -> Path:
+    """The offline benchmark in bfloat16: hf, ``compiled`` and vLLM, at batch 1 and 8 ->
+    ``-bf16.csv``. The compiled stage compiles the buckets the benchmark meets (its first
+    warm-up step does), not all of them."""
+    dev = lm.device
+    bf16 = load_model(lm.name, device=dev, dtype=torch.bfloat16)
+    systems = ("hf", "compiled", *((VLLM,) if peer else ()))
+    config = replace(default_workload(dev)[1], engines=systems, batch_sizes=BATCH_SIZES,
+                     chapter="11")
+    engines = {name: make_bench_engine(name, bf16, **({"warm_up": False}
+                                                       if name == "compiled" else {}))
+               for name in systems}
+    try:
+        bench = run_bench(bf16, config, engines, speed=device_speed(dev))
+    finally:
+        for engine in engines.values():
+            if hasattr(engine, "close"):
+                engine.close()
+    print(summary_table(bench).to_string(index=False))
+    path = _path(dev, "-bf16")
     bench.to_csv(path, index=False)
     return _wrote(path)[0]
 

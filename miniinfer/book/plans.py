@@ -182,9 +182,9 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:
-    """The offline benchmark at batch 1 and 8, the compile times, the ablation, chapter 08's
-    target workload with ``continuous``, ``compiled`` and vLLM, its budget sweep with
-    ``compiled`` and vLLM, the target workload over HTTP against our
+    """The offline benchmark at batch 1 and 8 (fp32, and bf16), the compile times, the
+    ablation, chapter 08's target workload with ``continuous``, ``compiled`` and vLLM, its
+    budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
     compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
     or not the peer is installed: an upper bound), with the start-ups."""
     from .catching import BATCH_SIZES
@@ -209,10 +209,13 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     vllm_starts = 4 + len(budget.max_num_batched_tokens)
     # The ablation: chapter 06's engine eager and on four compiled forwards, two of which
     # compile their own graphs (the others' come from the stage's, through inductor's cache).
-    ablation = replace(config, engines=("paged-attention", *4 * ("compiled",)))
+    ablation = replace(config, engines=("paged-attention", *5 * ("compiled",)))
+    # The bf16 benchmark: hf and compiled (its few buckets compiled afresh), and vLLM's start.
+    bf16 = replace(config, engines=("hf", "compiled"))
     seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
+               + bench_plan(model, device, bf16).estimate_s + COMPILE_S / 4
                + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
-               + vllm_starts * VLLM_START_S / 2 + 7 * target_s
+               + (vllm_starts + 1) * VLLM_START_S / 2 + 7 * target_s
                + len(budget.max_num_batched_tokens) * budget_s)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "

@@ -3,9 +3,11 @@
 Profiled on the same workload, vLLM's CPU decode steps spend three quarters of their time in
 one op, oneDNN's matmul over weights it reordered once, at load, into the blocked layout its
 kernels read fastest. Ours spent theirs in MKL's ``sgemm`` (through ``F.linear``) or in
-inductor's C++ GEMM template. On our 2-core CPU, over SmolLM2's 120 body projections with
-weights streamed from memory as in a real step, the prepacked oneDNN matmul took about half
-``F.linear``'s time from 4 to 64 rows (the guide's "CPU speed" section has the table).
+inductor's C++ GEMM template. On our 2-core CPU, over SmolLM2's 210 body projections with
+weights streamed from memory as in a real step, the prepacked oneDNN matmul took 0.4-0.6x
+``F.linear``'s time from 4 to 64 rows (22 vs 54 ms at 4 rows, 44 vs 103 ms at 32; one run),
+and whole decode steps of 16 and 32 tokens 0.75x and 0.6x the autotuned template's. At 1-8
+rows the template was as fast or faster, so the compiled forward uses oneDNN from 16 tokens.
 
 Inductor's own freezing pass packs fp32 weights for MKL, not oneDNN, and its on-disk cache
 cannot store packed tensors (a second process would compile every graph again). So the packing
@@ -21,7 +23,7 @@ rows ran as fast at 4-64 rows as copies packed for each (packed for 1 row it was
 
 As vLLM's model definitions do, a layer's query, key and value projections run as one matmul,
 and so do its gate and up projections (:func:`merge_projections`): 4 calls a layer instead of
-7, and wider ones: 3-12% off the body's matmuls at 1-64 rows in one microbenchmark.
+7, and wider ones: 4-12% off the body's matmuls at 1-64 rows in one microbenchmark.
 """
 
 from __future__ import annotations
