@@ -97,16 +97,8 @@ def record_offline(lm: LoadedModel, peer: bool) -> list[Path]:
     ``<device>.csv``, and the compiled forward's compile time per graph -> ``-compile.csv``."""
     dev = lm.device
     systems = tuple(e for e in CHAPTERS["11"].engines_for(dev.type) if e != VLLM or peer)
-    config = replace(default_workload(dev)[1], engines=systems, batch_sizes=BATCH_SIZES,
-                     chapter="11")
     engines = {name: make_bench_engine(name, lm) for name in systems}
-    try:
-        bench = run_bench(lm, config, engines, speed=device_speed(dev, store=True))
-    finally:
-        for engine in engines.values():
-            if hasattr(engine, "close"):
-                engine.close()
-    print(summary_table(bench).to_string(index=False))
+    bench = _bench_and_close(lm, engines, device_speed(dev, store=True))
     bench_path = _path(dev, "")
     bench.to_csv(bench_path, index=False)
     forward = engines["compiled"].runner.forward
@@ -160,6 +152,21 @@ def record_ablation(lm: LoadedModel) -> Path:
     return _wrote(path)[0]
 
 
+def _bench_and_close(lm: LoadedModel, engines: dict, speed) -> pd.DataFrame:
+    """The offline benchmark of ``engines`` at :data:`BATCH_SIZES`, in one run; the engines
+    (a peer's process among them) are closed after it, and its summary printed."""
+    config = replace(default_workload(lm.device)[1], engines=tuple(engines),
+                     batch_sizes=BATCH_SIZES, chapter="11")
+    try:
+        bench = run_bench(lm, config, engines, speed=speed)
+    finally:
+        for engine in engines.values():
+            if hasattr(engine, "close"):
+                engine.close()
+    print(summary_table(bench).to_string(index=False))
+    return bench
+
+
 def bf16_supported(dev: torch.device) -> bool:
     """Whether this CPU has bf16 arithmetic (AVX-512 BF16 or AMX): without it, bf16 runs as
     emulated conversions, and a bf16 row would measure those."""
@@ -174,18 +181,10 @@ def record_bf16(lm: LoadedModel, peer: bool) -> Path:
     dev = lm.device
     bf16 = load_model(lm.name, device=dev, dtype=torch.bfloat16)
     systems = ("hf", "compiled", *((VLLM,) if peer else ()))
-    config = replace(default_workload(dev)[1], engines=systems, batch_sizes=BATCH_SIZES,
-                     chapter="11")
     engines = {name: make_bench_engine(name, bf16, **({"warm_up": False}
                                                        if name == "compiled" else {}))
                for name in systems}
-    try:
-        bench = run_bench(bf16, config, engines, speed=device_speed(dev))
-    finally:
-        for engine in engines.values():
-            if hasattr(engine, "close"):
-                engine.close()
-    print(summary_table(bench).to_string(index=False))
+    bench = _bench_and_close(bf16, engines, device_speed(dev))
     path = _path(dev, "-bf16")
     bench.to_csv(path, index=False)
     return _wrote(path)[0]
