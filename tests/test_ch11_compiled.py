@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from miniinfer import SamplingParams, make_engine
+from miniinfer import SamplingParams, load_model, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
@@ -237,7 +237,21 @@ def test_rejects_metadata_it_cannot_read_and_bad_buckets():
     assert CompileOptions(segment_attention_min_tokens=None).segment_attention_min_tokens is None
     with pytest.raises(MiniInferError, match="onednn_min_tokens must be a whole number"):
         CompileOptions(onednn_min_tokens=0)
+    with pytest.raises(MiniInferError, match="onednn_min_tokens_bf16 must be a whole number"):
+        CompileOptions(onednn_min_tokens_bf16=0)
     assert CompileOptions(onednn_min_tokens=None).onednn_min_tokens is None
+
+
+@pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
+def test_the_onednn_threshold_follows_the_models_dtype(tiny):
+    fp32 = CompiledForward(tiny.model, make_engine("paged-attention", tiny).kv_cache)
+    assert [fp32._gemm(n) for n in (4, 8, 16)] == ["template", "template", "onednn"]
+    bf16 = load_model("tiny", dtype=torch.bfloat16)
+    forward = CompiledForward(bf16.model, make_engine("paged-attention", bf16).kv_cache)
+    assert [forward._gemm(n) for n in (4, 8, 16)] == ["template", "onednn", "onednn"]
+    never = CompileOptions(onednn_min_tokens_bf16=None)
+    forward = CompiledForward(bf16.model, make_engine("paged-attention", bf16).kv_cache, never)
+    assert forward._gemm(16) == "template" and forward._gemm(64) == "aten"
 
 
 @pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")

@@ -118,7 +118,7 @@ def ablation_options() -> dict[str, CompileOptions]:
     oneDNN's prepacked weights: the stage as it ships."""
     from ..runner.compiled import CompileOptions
 
-    eager_gemms = CompileOptions(onednn_min_tokens=None)
+    eager_gemms = CompileOptions(onednn_min_tokens=None, onednn_min_tokens_bf16=None)
     return {"fusion": replace(eager_gemms, max_autotune=False, freezing=False,
                               segment_attention_min_tokens=None),
             "+ freezing": replace(eager_gemms, max_autotune=False,

@@ -96,6 +96,9 @@ class CompileOptions:
     # the step of 16 decodes took 0.75x the autotuned template's time, of 32 0.6x; at 1-8
     # rows the template was as fast or faster (at 1 row, 0.55x oneDNN's). CPU only; None: never.
     onednn_min_tokens: int | None = 16
+    # The same threshold for a bfloat16 model: there the template's step of 8 tokens was 1.7x
+    # oneDNN's (52 vs 30 ms, mixed contexts of 50-380 on our CPU), at 1-4 rows 0.7x.
+    onednn_min_tokens_bf16: int | None = 8
     freezing: bool = True
     # What running one more chunk costs, in tokens' worth of a compute-bound step: reading
     # every weight again, about as long as 16 tokens' matmuls on our CPU (chunk_sizes).
@@ -116,9 +119,10 @@ class CompileOptions:
             raise MiniInferError(f"token_buckets must be increasing token counts >= 1, "
                                  f"got {buckets!r}")
         for name, least in (("fused_attention_rows", 1), ("chunk_cost_tokens", 0),
-                            ("segment_attention_min_tokens", 1), ("onednn_min_tokens", 1)):
+                            ("segment_attention_min_tokens", 1), ("onednn_min_tokens", 1),
+                            ("onednn_min_tokens_bf16", 1)):
             value = getattr(self, name)
-            if value is None and name.endswith("_min_tokens"):
+            if value is None and "_min_tokens" in name:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise MiniInferError(f"{name} must be a whole number >= {least}, got {value!r}")
@@ -316,8 +320,17 @@ class CompiledForward:
         return self.reason_eager is None
 
     @property
+    def _onednn_min_tokens(self) -> int | None:
+        """From how many tokens a bucket's matmuls run through oneDNN (None: never)."""
+        if not onednn_available(self.device):
+            return None
+        if self.dtype_probe.dtype == torch.bfloat16:
+            return self.options.onednn_min_tokens_bf16
+        return self.options.onednn_min_tokens
+
+    @property
     def _uses_onednn(self) -> bool:
-        return self.options.onednn_min_tokens is not None and onednn_available(self.device)
+        return self._onednn_min_tokens is not None
 
     def _compile(self, module: nn.Module, tuned: bool):
         autotune = self.options.max_autotune and tuned
@@ -412,7 +425,8 @@ class CompiledForward:
     def _gemm(self, bucket: int) -> str:
         """Which matmuls a bucket's graph runs: ``onednn`` (prepacked, see onednn_linear),
         ``template`` (inductor's autotuned GEMM template) or ``aten`` (MKL, untuned)."""
-        if self._uses_onednn and bucket >= self.options.onednn_min_tokens:
+        threshold = self._onednn_min_tokens
+        if threshold is not None and bucket >= threshold:
             return "onednn"
         return "template" if bucket <= self.options.autotune_max_tokens else "aten"
 
