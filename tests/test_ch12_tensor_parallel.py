@@ -244,6 +244,27 @@ class TestOneSharedTP2Group:
             TensorParallelForward(tiny, 2, **POOL)
 
 
+def test_the_tensor_parallel_engine_holds_one_pool_on_rank_0_of_its_own_kv_heads(tiny):
+    prompts = prompts_for(tiny, [12, 3, 20])
+    ref = make_engine("continuous", tiny, forward="direct", **POOL).generate(prompts, GREEDY)
+    engine = make_engine("tensor-parallel", tiny, tensor_parallel=2, **POOL)
+    try:
+        runner = engine.runner
+        config = tiny.config
+        # tiny has 2 KV heads: rank 0 holds one, in the runner's pool, which the forward uses.
+        assert runner.kv_cache.kv.shape == (config.num_hidden_layers, 2, 48, 16, 1,
+                                            config.hidden_size // config.num_attention_heads)
+        assert runner.forward.kv[0][0].data_ptr() == runner.kv_cache.kv[0, 0].data_ptr()
+        out = engine.generate(prompts, GREEDY)
+        assert out.token_ids == ref.token_ids
+        manager = runner.kv_cache.block_manager
+        assert manager.num_free_blocks == manager.num_blocks
+    finally:
+        engine.close()
+    with pytest.raises(MiniInferError, match=r"rank 0's KV pool must be \[3, 2, 48, 16, 1, 16\]"):
+        TensorParallelForward(tiny, 2, **POOL, pool=torch.zeros(3, 2, 48, 16, 2, 16))
+
+
 def test_tp4_replicates_kv_heads_and_equals_tp1(tiny):
     # tiny has 4 heads and 2 KV heads: at TP=4 each KV head lives on 2 ranks.
     prompts = prompts_for(tiny, [12, 3, 20])

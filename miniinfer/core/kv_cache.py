@@ -157,13 +157,17 @@ class PagedKVCache:
     ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``: ``kv[layer, 0]`` is that
     layer's K blocks in the layout paged-attention kernels take (``flash_attn_with_kvcache``'s
     ``k_cache``), and ``slots`` views the same memory token by token.
+
+    ``kv_heads``: how many KV heads the pool holds (None: the model's). A tensor-parallel rank
+    holds only its own (chapter 12); the number of blocks is the engine's either way.
     """
 
-    def __init__(self, lm: LoadedModel, config: KVCacheConfig | None = None) -> None:
+    def __init__(self, lm: LoadedModel, config: KVCacheConfig | None = None,
+                 kv_heads: int | None = None) -> None:
         self.config = config or KVCacheConfig()
         model_config = lm.config
         self.num_layers = model_config.num_hidden_layers
-        self.kv_heads = model_config.num_key_value_heads
+        self.kv_heads = kv_heads or model_config.num_key_value_heads
         self.head_dim = getattr(model_config, "head_dim", None) or \
             model_config.hidden_size // model_config.num_attention_heads
         block_size = self.config.block_size

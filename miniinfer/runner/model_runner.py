@@ -117,8 +117,19 @@ class ModelRunner:
         self.lm = lm
         self.model = lm.model
         self.device = lm.device
+        layout = None
+        if tensor_parallel > 1:
+            # Chapter 12: the layers split over N processes (this one is rank 0), each rank's
+            # pool holding its own KV heads: this runner's pool is rank 0's.
+            from .tensor_parallel import shard_layout
+
+            if forward != "direct":
+                raise MiniInferError(f"tensor_parallel={tensor_parallel} shards the direct "
+                                     f"forward; forward {forward!r} cannot be sharded")
+            layout = shard_layout(lm.config, tensor_parallel, repr(lm.name))
         # Allocated once, like a serving engine's KV pool: requests only borrow blocks from it.
-        self.kv_cache = PagedKVCache(lm, kv_config)
+        self.kv_cache = PagedKVCache(lm, kv_config,
+                                     None if layout is None else layout.kv_heads_per_rank)
         # Each layer's K and V views of the pool, made once rather than in every forward.
         self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
         block_size = self.kv_cache.block_size
@@ -130,17 +141,12 @@ class ModelRunner:
         self.forward_name = forward
         self.tensor_parallel = tensor_parallel
         self.compile_options = compile_options  # the compiled forward's (None: its defaults)
-        if tensor_parallel > 1:
-            # Chapter 12: the layers split over N processes (this one is rank 0). Each rank's
-            # pool holds its own heads; this runner's pool then only lends its block tables.
+        if layout is not None:
             from .tensor_parallel import TensorParallelForward
 
-            if forward != "direct":
-                raise MiniInferError(f"tensor_parallel={tensor_parallel} shards the direct "
-                                     f"forward; forward {forward!r} cannot be sharded")
             self.forward_name = f"direct, tensor-parallel {tensor_parallel}"
             self.forward = TensorParallelForward(lm, tensor_parallel, self.kv_cache.num_blocks,
-                                                 block_size)
+                                                 block_size, pool=self.kv_cache.kv)
         else:
             self.forward: ForwardFn = FORWARDS[forward](self)
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()

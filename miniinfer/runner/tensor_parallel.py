@@ -629,7 +629,8 @@ class TensorParallelForward:
 
     def __init__(self, lm: LoadedModel, tensor_parallel: int, num_blocks: int, block_size: int,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                 pool: torch.Tensor | None = None) -> None:
         reason = unsupported_reason(lm.model)
         if reason:
             raise MiniInferError(f"tensor parallelism cannot run {lm.name!r}: {reason}")
@@ -648,8 +649,18 @@ class TensorParallelForward:
         if n > 1:
             check_no_process_group()
         self._group: _Group | None = None
-        self.kv = allocate_kv_pool(lm.config, self.layout, num_blocks, block_size, lm.dtype,
-                                   lm.device)
+        # Rank 0's pool: the engine's, where it passes one of this rank's heads (a model
+        # runner's), or one of its own.
+        if pool is None:
+            self.kv = allocate_kv_pool(lm.config, self.layout, num_blocks, block_size,
+                                       lm.dtype, lm.device)
+        else:
+            expected = (lm.config.num_hidden_layers, 2, num_blocks, block_size,
+                        self.layout.kv_heads_per_rank, self.layout.head_dim)
+            if tuple(pool.shape) != expected:
+                raise MiniInferError(f"rank 0's KV pool must be {list(expected)} (its own "
+                                     f"KV heads only), got {list(pool.shape)}")
+            self.kv = [(layer[0], layer[1]) for layer in pool]
         self.shard = ShardedForward(lm.model, self.layout, 0, lm_head=True)
         if n == 1:
             return
