@@ -72,13 +72,13 @@ def _ch00(gpu: bool) -> list[str] | None:
 
     stages = stage_results()
     stages = stages[stages.device_name.isin(_on(recorded_results("01"), gpu).device_name)]
-    serving, prefix = _on(_runs("08", "runs"), gpu), _on(_runs("09", "runs"), gpu)
-    if stages.empty or serving.empty or prefix.empty:
+    serving = _experiments("08", gpu, "target")
+    prefix = _experiments("09", gpu, "shared-prefix")
+    if stages.empty or serving is None or prefix is None:
         return None
     largest = stages[stages.batch_size == stages.batch_size.max()]
     paged = largest[largest.stage_chapter.between("02", "07")]
-    target = serving[serving.experiment == "target"].set_index("system").output_throughput
-    shared = prefix[prefix.experiment == "shared-prefix"].set_index("system").output_throughput
+    target, shared = serving[0].output_throughput, prefix[0].output_throughput
     return [f"the static-batch stages of chapters 02-07 end between {paged.pct_of_hf.min():.0f}% "
             f"and {paged.pct_of_hf.max():.0f}% of hf at batch {largest.batch_size.iloc[0]}: flat, "
             f"because a CPU step is its matmuls, not the bookkeeping those chapters remove;",
@@ -220,11 +220,20 @@ def _ch07(gpu: bool) -> list[str] | None:
             f"`sync`: one step of latency, bought for nothing where nothing overlaps."]
 
 
-def _ch08(gpu: bool) -> list[str] | None:
-    runs = _on(_runs("08", "runs"), gpu)
+def _experiments(chapter: str, gpu: bool, *names: str) -> list[pd.DataFrame] | None:
+    """Each named experiment's rows of a chapter's recorded serving runs on this kind of
+    device, indexed by system (None: no runs recorded there)."""
+    runs = _on(_runs(chapter, "runs"), gpu)
     if runs.empty:
         return None
-    t = runs[runs.experiment == "target"].set_index("system")
+    return [runs[runs.experiment == name].set_index("system") for name in names]
+
+
+def _ch08(gpu: bool) -> list[str] | None:
+    experiments = _experiments("08", gpu, "target")
+    if experiments is None:
+        return None
+    t, = experiments
     c, st = t.loc["continuous"], t.loc["static-paged-attention"]
     return [f"continuous batching {c.output_throughput / t.output_throughput['hf-cb']:.2f}x "
             f"transformers' own and {c.output_throughput / st.output_throughput:.2f}x static "
@@ -235,11 +244,10 @@ def _ch08(gpu: bool) -> list[str] | None:
 
 
 def _ch09(gpu: bool) -> list[str] | None:
-    runs = _on(_runs("09", "runs"), gpu)
-    if runs.empty:
+    experiments = _experiments("09", gpu, "shared-prefix", "nothing-shared")
+    if experiments is None:
         return None
-    s = runs[runs.experiment == "shared-prefix"].set_index("system")
-    n = runs[runs.experiment == "nothing-shared"].set_index("system")
+    s, n = experiments
     return [f"with a shared {int(s.shared_prefix_len.iloc[0])}-token prompt, TTFT p50 "
             f"{s.ttft_p50_ms['continuous'] / s.ttft_p50_ms['prefix-cache']:.1f}x lower and output "
             f"tokens/s {s.output_throughput['prefix-cache'] / s.output_throughput['continuous']:.2f}x "
@@ -278,9 +286,8 @@ def _ch11(gpu: bool) -> list[str] | None:
              f"batch {batches}")
     if "vllm" not in tok_s:
         return [first + ";", "vLLM not recorded here (`make peers` installs it)."]
-    runs = _on(_runs("11", "runs"), gpu)
-    served = runs[runs.experiment == "target"].set_index("system").output_throughput \
-        if not runs.empty else {}
+    target = _experiments("11", gpu, "target")
+    served = {} if target is None else target[0].output_throughput
     http = _on(_runs("11", "http"), gpu)
     over_http = http.set_index("server").output_throughput if not http.empty else {}
     line = (f"on chapter 08's workload {served['compiled'] / served['vllm']:.2f}x vLLM's output "
