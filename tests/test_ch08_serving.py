@@ -8,6 +8,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
 from miniinfer import InvalidRequestError, UnknownNameError, make_engine
 from miniinfer.bench.serving import (
@@ -23,6 +24,7 @@ from miniinfer.bench.serving import (
     serve_static,
     summarize,
 )
+from miniinfer.book import serving_records
 from miniinfer.cli import main
 from miniinfer.core.scheduler import RequestTimeline
 
@@ -124,6 +126,22 @@ def test_three_systems_serve_the_same_requests_with_the_same_tokens(tiny):
     # the last (nothing was preempted in a pool this size).
     fed = sum(s.num_decodes + s.num_prefill_tokens for s in runs[0].steps)
     assert fed == sum(len(w.prompt_ids) + w.max_new_tokens - 1 for w in workload)
+
+
+def test_a_recording_in_another_dtype_writes_its_tables_in_their_own_folder(tmp_path,
+                                                                           monkeypatch):
+    monkeypatch.setattr(serving_records, "RESULTS", tmp_path)
+    config = ServingBenchConfig(
+        systems=("continuous",), max_num_batched_tokens=(16,), warmup=False, chapter="11",
+        workload=WorkloadConfig(num_requests=2, request_rate=40.0, prompt_len=(2, 8),
+                                output_len=(1, 3), seed=0))
+    runs, paths = serving_records.record_serving(torch.device("cpu"), "11", "tiny",
+                                                 {"target": config}, dtype=torch.bfloat16,
+                                                 subdir="bf16")
+    assert [p.parent for p in paths] == [tmp_path / "ch11" / "bf16"] * 3
+    assert [p.stem.rsplit("-", 1)[1] for p in paths] == ["runs", "requests", "steps"]
+    assert set(runs.dtype) == {"bfloat16"} and set(runs.experiment) == {"target"}
+    assert set(pd.read_csv(paths[1]).dtype) == {"bfloat16"}
 
 
 def test_cli_bench_serving_writes_tidy_csvs(tmp_path):

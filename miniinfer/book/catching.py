@@ -6,7 +6,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
   eager stage), the ``compiled`` stage and, when installed, the peer ``vllm``, at batch 1 and 8;
   the compiled forward's compile time per graph goes to ``<device>-compile.csv``;
 - the same benchmark in bf16 (``<device>-bf16.csv``): hf, ``compiled`` and vLLM with the model's
-  weights and activations in bfloat16, where the CPU computes in it;
+  weights and activations in bfloat16, where the CPU computes in it; and the ``target``
+  workload below in bf16 too, ``compiled`` and vLLM (``bf16/<device>-{runs,requests,steps}.csv``);
 - the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
   eager forward and on the compiled one with its fixes added one at a time;
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
@@ -81,9 +82,9 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     model, _ = default_workload(dev)
     lm = load_model(model, device=dev)
     written = record_offline(lm, peer)
-    if bf16_supported(dev):
-        written.append(record_bf16(lm, peer))
     written += record_served(lm, peer)
+    if bf16_supported(dev):
+        written += [record_bf16(lm, peer), *record_served_bf16(lm, peer)]
     target = served_experiments(dev, peer)["target"]
     written.append(record_http(lm, target, peer))
     written.append(record_profiles(lm, target, peer))
@@ -205,6 +206,15 @@ def served_experiments(dev: torch.device, peer: bool) -> dict[str, ServingBenchC
 def record_served(lm: LoadedModel, peer: bool) -> list[Path]:
     """:func:`served_experiments` in-process -> ``-{runs,requests,steps}.csv``."""
     return record_serving(lm.device, "11", lm.name, served_experiments(lm.device, peer))[1]
+
+
+def record_served_bf16(lm: LoadedModel, peer: bool) -> list[Path]:
+    """The target workload in bfloat16, ``compiled`` and vLLM -> ``bf16/<device>-{runs,
+    requests,steps}.csv`` (a folder of their own: the fp32 tables' readers glob this one's)."""
+    target = served_experiments(lm.device, peer)["target"]
+    target = replace(target, systems=tuple(s for s in target.systems if s != "continuous"))
+    return record_serving(lm.device, "11", lm.name, {"target": target}, dtype=torch.bfloat16,
+                          subdir="bf16")[1]
 
 
 def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool) -> Path:

@@ -183,8 +183,8 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:
     """The offline benchmark at batch 1 and 8 (fp32, and bf16), the compile times, the
-    ablation, chapter 08's target workload with ``continuous``, ``compiled`` and vLLM, its
-    budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
+    ablation, chapter 08's target workload with ``continuous``, ``compiled`` and vLLM (and in
+    bf16 with ``compiled`` and vLLM), its budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
     compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
     or not the peer is installed: an upper bound), with the start-ups."""
     from .catching import BATCH_SIZES
@@ -200,8 +200,8 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
                                 "budget": replace(budget, systems=("compiled",))},
                         device, "target").estimate_s
     # The peer's runs are counted by hand (a config naming vllm needs the peer installed):
-    # the target workload in-process, over HTTP and profiled (two runs), and one run per
-    # budget, each in a vLLM of its own; our server's run over HTTP and our profile's two
+    # the target workload in-process (in fp32 and in bf16), over HTTP and profiled (two runs),
+    # and one run per budget, each in a vLLM of its own; our server's run over HTTP and our profile's two
     # runs are three more target runs.
     tok_s = device_costs(device).serving_tok_s["vllm"]
     target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
@@ -210,10 +210,14 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     # The ablation: chapter 06's engine eager and on four compiled forwards, two of which
     # compile their own graphs (the others' come from the stage's, through inductor's cache).
     ablation = replace(config, engines=("paged-attention", *5 * ("compiled",)))
-    # The bf16 benchmark: hf and compiled (its few buckets compiled afresh), and vLLM's start.
+    # The bf16 benchmark: hf and compiled (its few buckets compiled afresh), and vLLM's start;
+    # then the target workload in bf16, compiled (every bucket compiled afresh) and vLLM.
     bf16 = replace(config, engines=("hf", "compiled"))
+    bf16_served = serving_plan(model, {"target": replace(target, systems=("compiled",))},
+                               device, "target").estimate_s
     seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
                + bench_plan(model, device, bf16).estimate_s + COMPILE_S / 4
+               + bf16_served + COMPILE_S / 2 + VLLM_START_S + target_s
                + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
                + (vllm_starts + 1) * VLLM_START_S / 2 + 7 * target_s
                + len(budget.max_num_batched_tokens) * budget_s)

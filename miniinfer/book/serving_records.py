@@ -15,22 +15,24 @@ from .results import RESULTS
 
 
 def record_serving(dev: torch.device, chapter: str, model: str,
-                   experiments: dict[str, ServingBenchConfig]) -> tuple[pd.DataFrame, list[Path]]:
+                   experiments: dict[str, ServingBenchConfig], dtype: torch.dtype | None = None,
+                   subdir: str = "") -> tuple[pd.DataFrame, list[Path]]:
     """Run every serving experiment and write ``data/results/chNN/<device>-{runs,requests,
-    steps}.csv``, each row tagged with its experiment; returns the runs table and the paths."""
-    lm = load_model(model, device=dev)
+    steps}.csv`` (in ``chNN/<subdir>/`` if given), each row tagged with its experiment; returns
+    the runs table and the paths. ``dtype``: the model's (None: its default)."""
+    lm = load_model(model, device=dev, dtype=dtype)
     tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
     for name, config in experiments.items():
         results = run_serving_bench(lm, config)
         print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
         for kind, frames in tables.items():
             frames.append(getattr(results, kind).assign(experiment=name))
-    out_dir = RESULTS / f"ch{chapter}"
+    out_dir = RESULTS / f"ch{chapter}" / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, frames in tables.items():
         path = out_dir / f"{device_slug(dev)}-{kind}.csv"
         pd.concat(frames, ignore_index=True).to_csv(path, index=False)
         written.append(path)
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
+        print(f"wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}")
     return pd.concat(tables["runs"], ignore_index=True), written
