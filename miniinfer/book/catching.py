@@ -7,7 +7,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
   the compiled forward's compile time per graph goes to ``<device>-compile.csv``;
 - the same benchmark in bf16 (``<device>-bf16.csv``): hf, ``compiled`` and vLLM with the model's
   weights and activations in bfloat16, where the CPU computes in it; and the ``target``
-  workload below in bf16 too, ``compiled`` and vLLM (``bf16/<device>-{runs,requests,steps}.csv``);
+  workload below in bf16 too, ``compiled`` and vLLM, in-process and over HTTP
+  (``bf16/<device>-{runs,requests,steps,http}.csv``);
 - the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
   eager forward and on the compiled one with its fixes added one at a time;
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
@@ -38,7 +39,7 @@ from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.serving import ServingBenchConfig
 from ..bench.serving.http import run_http_bench
 from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
-from ..core.models import LoadedModel, load_model, resolve_device, smollm2_cache
+from ..core.models import LoadedModel, dtype_name, load_model, resolve_device, smollm2_cache
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from .chapters import CHAPTERS
@@ -209,37 +210,43 @@ def record_served(lm: LoadedModel, peer: bool) -> list[Path]:
 
 
 def record_served_bf16(lm: LoadedModel, peer: bool) -> list[Path]:
-    """The target workload in bfloat16, ``compiled`` and vLLM -> ``bf16/<device>-{runs,
-    requests,steps}.csv`` (a folder of their own: the fp32 tables' readers glob this one's)."""
+    """The target workload in bfloat16, ``compiled`` and vLLM, in-process and over HTTP ->
+    ``bf16/<device>-{runs,requests,steps,http}.csv`` (a folder of their own: the fp32 tables'
+    readers glob this one's)."""
     target = served_experiments(lm.device, peer)["target"]
     target = replace(target, systems=tuple(s for s in target.systems if s != "continuous"))
-    return record_serving(lm.device, "11", lm.name, {"target": target}, dtype=torch.bfloat16,
-                          subdir="bf16")[1]
+    _, written = record_serving(lm.device, "11", lm.name, {"target": target},
+                                dtype=torch.bfloat16, subdir="bf16")
+    bf16 = load_model(lm.name, device=lm.device, dtype=torch.bfloat16)
+    return [*written, record_http(bf16, target, peer, subdir="bf16")]
 
 
-def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool) -> Path:
+def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool,
+                subdir: str = "") -> Path:
     """The target workload over HTTP, measured at the client (chapter 10's ``bench-serving
     --base-url``): our server on the compiled stage, then (``with_peer``) ``vllm serve``, each
-    with the target's token budget -> ``-http.csv``, one row per server. vLLM serves SmolLM2
-    from its directory, so with another model only ours is recorded."""
+    with the target's token budget and ``lm``'s dtype -> ``[<subdir>/]<device>-http.csv``, one
+    row per server. vLLM serves SmolLM2 from its directory, so with another model only ours is
+    recorded."""
     from ..bench.peers.vllm_server import start_vllm_server
     from ..server import ServerProcess
 
     budget = target.max_num_batched_tokens[0]
+    dtype = dtype_name(lm.dtype)
     runs = []
-    with ServerProcess(lm.name, "--engine", "compiled", "--max-num-batched-tokens", str(budget),
-                       timeout=SERVER_START_S) as ours:
+    with ServerProcess(lm.name, "--engine", "compiled", "--dtype", dtype,
+                       "--max-num-batched-tokens", str(budget), timeout=SERVER_START_S) as ours:
         runs.append(run_http_bench(lm, ours.base_url, target.workload, chapter="11")
                     .runs.assign(server="compiled", peer_version=""))
     if with_peer and lm.name == "smollm2-135m":
-        with start_vllm_server(smollm2_cache(), lm.name, port=free_port(),
+        with start_vllm_server(smollm2_cache(), lm.name, port=free_port(), dtype=dtype,
                                max_num_batched_tokens=budget) as vllm_serve:
             runs.append(run_http_bench(lm, vllm_serve.base_url, target.workload, chapter="11")
                         .runs.assign(server=VLLM, peer_version=vllm_serve.version))
     table = pd.concat(runs, ignore_index=True).assign(max_num_batched_tokens=budget)
     print(table[["server", "output_throughput", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]]
           .to_string(index=False))
-    path = _path(lm.device, "-http")
+    path = _path(lm.device, "-http", subdir)
     table.to_csv(path, index=False)
     return _wrote(path)[0]
 
@@ -297,8 +304,8 @@ def _ops_table(ops: list[dict], system: str, run_s: float) -> pd.DataFrame:
                         share_pct=100 * table.self_ms / table.self_ms.sum())
 
 
-def _path(dev: torch.device, suffix: str) -> Path:
-    out_dir = RESULTS / "ch11"
+def _path(dev: torch.device, suffix: str, subdir: str = "") -> Path:
+    out_dir = RESULTS / "ch11" / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir / f"{device_slug(dev)}{suffix}.csv"
 
