@@ -20,7 +20,8 @@ RECORDINGS = {
     "prefix": "shared-prefix and multi-turn serving workloads",
     "server": "the target workload in-process and over HTTP",
     "catching": "offline benchmark, ablation, compile times, the target workload (in-process, "
-                "over HTTP, profiled) and the budget sweep, beside vLLM",
+                "over HTTP, profiled) and the budget sweep, beside vLLM; bf16 rows where the "
+                "CPU computes in it",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
 }
 
