@@ -85,7 +85,8 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     written = record_offline(lm, peer)
     written += record_served(lm, peer)
     if bf16_supported(dev):
-        written += [record_bf16(lm, peer), *record_served_bf16(lm, peer)]
+        bf16 = load_model(model, device=dev, dtype=torch.bfloat16)
+        written += [record_bf16(bf16, peer), *record_served_bf16(bf16, peer)]
     target = served_experiments(dev, peer)["target"]
     written.append(record_http(lm, target, peer))
     written.append(record_profiles(lm, target, peer))
@@ -176,18 +177,16 @@ def bf16_supported(dev: torch.device) -> bool:
         torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def record_bf16(lm: LoadedModel, peer: bool) -> Path:
-    """The offline benchmark in bfloat16: hf, ``compiled`` and vLLM, at batch 1 and 8 ->
-    ``-bf16.csv``. The compiled stage compiles the buckets the benchmark meets (its first
-    warm-up step does), not all of them."""
-    dev = lm.device
-    bf16 = load_model(lm.name, device=dev, dtype=torch.bfloat16)
+def record_bf16(bf16: LoadedModel, peer: bool) -> Path:
+    """The offline benchmark of ``bf16`` (the model in bfloat16): hf, ``compiled`` and vLLM,
+    at batch 1 and 8 -> ``-bf16.csv``. The compiled stage compiles the buckets the benchmark
+    meets (its first warm-up step does), not all of them."""
     systems = ("hf", "compiled", *((VLLM,) if peer else ()))
     engines = {name: make_bench_engine(name, bf16, **({"warm_up": False}
                                                        if name == "compiled" else {}))
                for name in systems}
-    bench = _bench_and_close(bf16, engines, device_speed(dev))
-    path = _path(dev, "-bf16")
+    bench = _bench_and_close(bf16, engines, device_speed(bf16.device))
+    path = _path(bf16.device, "-bf16")
     bench.to_csv(path, index=False)
     return _wrote(path)[0]
 
@@ -209,15 +208,14 @@ def record_served(lm: LoadedModel, peer: bool) -> list[Path]:
     return record_serving(lm.device, "11", lm.name, served_experiments(lm.device, peer))[1]
 
 
-def record_served_bf16(lm: LoadedModel, peer: bool) -> list[Path]:
-    """The target workload in bfloat16, ``compiled`` and vLLM, in-process and over HTTP ->
-    ``bf16/<device>-{runs,requests,steps,http}.csv`` (a folder of their own: the fp32 tables'
-    readers glob this one's)."""
-    target = served_experiments(lm.device, peer)["target"]
+def record_served_bf16(bf16: LoadedModel, peer: bool) -> list[Path]:
+    """The target workload with ``bf16`` (the model in bfloat16), ``compiled`` and vLLM,
+    in-process and over HTTP -> ``bf16/<device>-{runs,requests,steps,http}.csv`` (a folder of
+    their own: the fp32 tables' readers glob this one's)."""
+    target = served_experiments(bf16.device, peer)["target"]
     target = replace(target, systems=tuple(s for s in target.systems if s != "continuous"))
-    _, written = record_serving(lm.device, "11", lm.name, {"target": target},
-                                dtype=torch.bfloat16, subdir="bf16")
-    bf16 = load_model(lm.name, device=lm.device, dtype=torch.bfloat16)
+    _, written = record_serving(bf16.device, "11", bf16.name, {"target": target},
+                                dtype=bf16.dtype, subdir="bf16")
     return [*written, record_http(bf16, target, peer, subdir="bf16")]
 
 
