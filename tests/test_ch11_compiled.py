@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from miniinfer import SamplingParams, load_model, make_engine
 from miniinfer.core.errors import MiniInferError
+from miniinfer.core.kernels import cpu_decode
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
 from miniinfer.runner.onednn_linear import calls as onednn_calls
@@ -305,3 +306,69 @@ def test_segment_attention_equals_each_tokens_own_attention():
         expected = (weights[..., None] * values).sum(0)
         torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
     assert not out[len(tokens):].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype):
+    """Each token (decodes of two requests, a prompt chunk, a token whose position lies past
+    its table, as a padding row's may) attends to exactly its own request's positions up to
+    its own, read from this layer's K and V rows of the pool (another layer's rows around
+    them hold other values)."""
+    if (reason := cpu_decode.unavailable(64)) is not None:
+        pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
+    torch.manual_seed(0)
+    block_size, num_blocks, kv_heads, heads, dim = 16, 12, 3, 9, 64
+    slots = num_blocks * block_size
+    pool = torch.randn(4 * slots, kv_heads, dim).to(dtype)  # two layers' K and V
+    k_base, v_base = 2 * slots, 3 * slots  # the second layer
+    tables = torch.tensor([[3, 7, 0, 0], [5, 1, 9, 11], [2, 8, 4, 0]], dtype=torch.int32)
+    tokens = [(0, 20), (1, 63), *[(2, p) for p in range(30, 37)], (0, 0), (2, 90)]
+    request = torch.tensor([r for r, _ in tokens])
+    positions = torch.tensor([p for _, p in tokens])
+    q = torch.randn(len(tokens), heads, dim).to(dtype)
+    out = cpu_decode.paged_token_attention(q, pool, k_base, v_base, block_size,
+                                           tables[request], positions, 0.125)
+    assert out.dtype == dtype and out.shape == q.shape
+    for row, (r, p) in enumerate(tokens):
+        context = torch.arange(min(p + 1, tables.shape[1] * block_size))
+        slot = tables[r][context // block_size].long() * block_size + context % block_size
+        keys = pool[k_base + slot].float().repeat_interleave(heads // kv_heads, 1)
+        values = pool[v_base + slot].float().repeat_interleave(heads // kv_heads, 1)
+        weights = torch.softmax((q[row].float() * keys).sum(-1) * 0.125, dim=0)
+        expected = (weights[..., None] * values).sum(0).to(dtype)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[row], expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(RuntimeError, match="int32 tables"):
+        cpu_decode.paged_token_attention(q, pool, k_base, v_base, block_size,
+                                         tables[request].long(), positions, 0.125)
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        cpu_decode.paged_token_attention(q[:, :8], pool, k_base, v_base, block_size,
+                                         tables[request], positions, 0.125)
+
+
+def test_fused_tokens_attend_through_the_kernel_or_say_why_not(tiny, monkeypatch):
+    engine = make_engine("paged-attention", tiny)
+    forward = CompiledForward(tiny.model, engine.kv_cache, OPTIONS)
+    assert forward.reason_fused is None
+    assert all(body.token_kernel for body in _bodies(forward))
+    off = CompiledForward(tiny.model, engine.kv_cache, replace(OPTIONS, attention_kernel=False))
+    assert off.reason_fused == "off in the options"
+    assert not any(body.token_kernel for body in _bodies(off))
+    # A machine where it cannot be built: one warning naming why, and the fused formula.
+    monkeypatch.setattr(cpu_decode, "unavailable", lambda head_dim: "no compiler here")
+    with pytest.warns(RuntimeWarning, match=r"C\+\+ attention kernel unavailable \(no compiler "
+                                            r"here\); attending with the fused formula"):
+        failed = CompiledForward(tiny.model, engine.kv_cache, OPTIONS)
+    assert failed.reason_fused == "no compiler here"
+    assert not any(body.token_kernel for body in _bodies(failed))
+    # The fused formula's graphs give the kernel's tokens (and the eager forward's).
+    expected = engine.generate(prompts()[:3], GREEDY).token_ids
+    engine.runner.forward = failed
+    assert engine.generate(prompts()[:3], GREEDY).token_ids == expected
+    engine.runner.forward = forward
+    assert engine.generate(prompts()[:3], GREEDY).token_ids == expected
+
+
+def _bodies(forward: CompiledForward) -> list[torch.nn.Module]:
+    """The _Body modules behind a forward's compiled functions."""
+    return [graph._orig_mod for graph in forward.body.values()]

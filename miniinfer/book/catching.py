@@ -118,17 +118,20 @@ def ablation_options() -> dict[str, CompileOptions]:
     MKL's GEMMs, attention reading the pool in place), then the weights frozen into the graph,
     then the GEMMs autotuned (inductor's C++ template, up to 32 tokens), then the larger steps'
     prompt chunks attended by segment, then the matmuls of steps from 16 tokens through
-    oneDNN's prepacked weights: the stage as it ships."""
+    oneDNN's prepacked weights, then the other tokens' attention through the C++ kernel: the
+    stage as it ships."""
     from ..runner.compiled import CompileOptions
 
-    eager_gemms = CompileOptions(onednn_min_tokens=None, onednn_min_tokens_bf16=None)
+    fused = CompileOptions(attention_kernel=False)
+    eager_gemms = replace(fused, onednn_min_tokens=None, onednn_min_tokens_bf16=None)
     return {"fusion": replace(eager_gemms, max_autotune=False, freezing=False,
                               segment_attention_min_tokens=None),
             "+ freezing": replace(eager_gemms, max_autotune=False,
                                   segment_attention_min_tokens=None),
             "+ autotuned GEMMs": replace(eager_gemms, segment_attention_min_tokens=None),
             "+ attention by segment": eager_gemms,
-            "+ oneDNN prepacked GEMMs": CompileOptions()}
+            "+ oneDNN prepacked GEMMs": fused,
+            "+ C++ attention kernel": CompileOptions()}
 
 
 def record_ablation(lm: LoadedModel) -> Path:

@@ -207,9 +207,9 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
     budget_s = budget.workload.num_requests * sum(budget.workload.output_len) / 2 / tok_s
     vllm_starts = 4 + len(budget.max_num_batched_tokens)
-    # The ablation: chapter 06's engine eager and on four compiled forwards, two of which
+    # The ablation: chapter 06's engine eager and on six compiled forwards, most of which
     # compile their own graphs (the others' come from the stage's, through inductor's cache).
-    ablation = replace(config, engines=("paged-attention", *5 * ("compiled",)))
+    ablation = replace(config, engines=("paged-attention", *6 * ("compiled",)))
     # The bf16 benchmark: hf and compiled (its few buckets compiled afresh), and vLLM's start;
     # then the target workload in bf16, compiled (every bucket compiled afresh) and vLLM,
     # in-process and over HTTP (our server loading the graphs from inductor's cache).

@@ -60,6 +60,8 @@ from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
 from ..core.errors import MiniInferError
+from ..core.kernels import cpu_decode
+from ..core.kernels.cpu_decode import paged_token_attention
 from ..core.kv_cache import PagedKVCache
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
 from .compiled_attention import fused_paged_attention, segment_attention
@@ -112,6 +114,10 @@ class CompileOptions:
     # decodes, still attend fused: the fused formula reads a decode's context in place, where
     # the op would copy it (3-4x slower per decode on our CPU).
     fused_attention_rows: int = 32
+    # On a CPU, those fused tokens attend through a C++ kernel (core.kernels.cpu_decode),
+    # which reads each context at about twice the speed of inductor's fused loops, where it
+    # builds; False: the fused formula, compiled by inductor.
+    attention_kernel: bool = True
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
@@ -155,10 +161,13 @@ class _Body(nn.Module):
     HF modules are held, not copied: their parameters are what freezing makes constants of."""
 
     def __init__(self, model: PreTrainedModel, block_size: int, by_segment: bool,
-                 fused_rows: int, merged: list[MergedProjections] | None = None) -> None:
+                 fused_rows: int, merged: list[MergedProjections] | None = None,
+                 token_kernel: bool = False) -> None:
         super().__init__()
         # Whether tokens past the first `fused_rows` attend through segment_attention.
         self.by_segment, self.fused_rows = by_segment, fused_rows
+        # Whether the first ones attend through the C++ kernel instead of the fused formula.
+        self.token_kernel = token_kernel
         # With the layers' merged projections, every matmul runs through oneDNN's prepacked
         # weights (onednn_linear); without, through F.linear, which inductor compiles.
         self.merged = merged
@@ -206,8 +215,13 @@ class _Body(nn.Module):
             k_base, v_base = 2 * i * num_slots, (2 * i + 1) * num_slots
             pool.index_put_((slot_mapping + k_base,), k[write_rows])
             pool.index_put_((slot_mapping + v_base,), v[write_rows])
-            out = fused_paged_attention(q[:fused], pool[context_slots + k_base],
-                                        pool[context_slots + v_base], visible, self.scale)
+            if self.token_kernel:
+                out = paged_token_attention(q[:fused], pool, k_base, v_base, block_size,
+                                            token_tables[:fused], position_ids[:fused],
+                                            self.scale)
+            else:
+                out = fused_paged_attention(q[:fused], pool[context_slots + k_base],
+                                            pool[context_slots + v_base], visible, self.scale)
             if fused < tokens:
                 out = torch.cat([out, segment_attention(
                     q[fused:], pool, k_base, v_base, block_size, real[fused:],
@@ -285,16 +299,29 @@ class CompiledForward:
         )
         self.reason_eager = compile_unavailable_reason(self.device)
         if self.reason_eager is not None:
+            self.reason_fused = self.reason_eager
             warnings.warn(f"compiled forward unavailable ({self.reason_eager}); running the "
                           f"eager direct forward", RuntimeWarning, stacklevel=2)
             return
+        # Why the fused tokens attend with the fused formula, not the C++ kernel (None: they
+        # use the kernel). Not on a GPU, where the graphs run as CUDA graphs.
+        if not self.options.attention_kernel:
+            self.reason_fused = "off in the options"
+        elif self.device.type != "cpu":
+            self.reason_fused = "not on a CPU"
+        else:
+            self.reason_fused = cpu_decode.unavailable(model.model.layers[0].self_attn.head_dim)
+            if self.reason_fused is not None:
+                warnings.warn(f"C++ attention kernel unavailable ({self.reason_fused}); "
+                              f"attending with the fused formula", RuntimeWarning, stacklevel=2)
         # One compiled function per kind of bucket (autotuned or not; attending fused or by
         # segment), each with its graphs, shared with every other forward over this model with
         # the same options and block size: a serving benchmark builds an engine per token
         # budget, and each would otherwise trace and load every bucket again (minutes on a
         # CPU, even from inductor's disk cache), and pile up graphs on the same code.
         shared = _SHARED.setdefault(model, {})
-        key = (dataclasses.astuple(self.options), self.block_size, str(self.device))
+        key = (dataclasses.astuple(self.options), self.block_size, str(self.device),
+               self.reason_fused is None)
         # Once per model: weights merged and prepacked, kept while the model lives.
         merged = prepack_model(model) if self._uses_onednn else None
         if key not in shared:
@@ -302,7 +329,8 @@ class CompiledForward:
             shared[key] = (
                 {(gemm, by_segment): self._compile(
                     _Body(model, self.block_size, by_segment,
-                          self.options.fused_attention_rows, projections), gemm == "template")
+                          self.options.fused_attention_rows, projections,
+                          self.reason_fused is None), gemm == "template")
                  for gemm, projections in kinds.items() for by_segment in (True, False)},
                 {gemm: self._compile(
                     _Head(model, _linear if projections is None else _onednn_linear),

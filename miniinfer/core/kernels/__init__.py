@@ -11,6 +11,9 @@ triton     our kernel, :mod:`.triton_attention`   CUDA; CPU only through the int
 torch      the reference, :mod:`.reference`       anywhere
 ========== ====================================== ===================================
 
+Chapter 11 adds :mod:`.cpu_decode`: a C++ op for CPUs that the compiled forward's graphs call
+(a token-by-token paged attention over the flat pool), not a backend of this contract.
+
 Use::
 
     backend = get_backend("auto", device, block_size=k_cache.shape[1])

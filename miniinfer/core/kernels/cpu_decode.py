@@ -1,0 +1,78 @@
+"""A C++ paged attention for CPU steps (chapter 11), compiled on this machine on first use.
+
+Chapter 11's compiled forward first wrote attention as products and sums that inductor fuses
+with the indexed loads from the pool. On decode steps that was still the largest part of a
+step after the matmuls: inductor's loops read a context at a fraction of the memory bandwidth
+(our measurements are in the chapter). ``cpu_decode.cpp`` is the kernel that the fused formula
+is a specification of: per token, one pass over its context's keys and one over its values,
+slot rows read whole and in order, the next block prefetched, vectors as wide as the CPU has.
+
+It is built with ``torch.utils.cpp_extension`` and the same ISA flags inductor picks for its
+own kernels on this CPU (so it runs wherever inductor's kernels run), and registered as the op
+``torch.ops.miniinfer.paged_token_attention``, with a fake for tracing, so a compiled graph
+calls it like any other op. The build takes about half a minute once; torch keeps it in its
+extensions cache. Where it cannot be built, :func:`load` says why and the caller keeps the
+fused formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (or find already built) and register the op; None when it is ready, else why it
+    is not."""
+    try:
+        from torch._inductor import cpu_vec_isa
+        from torch.utils import cpp_extension
+
+        isa = cpu_vec_isa.pick_vec_isa()
+        if not isa:
+            return "inductor found no vector instruction set on this CPU"
+        flags = ["-O3", "-fopenmp", *isa.build_arch_flags().split(),
+                 *(f"-D{macro}" for macro in isa.build_macro())]
+        name = "miniinfer_cpu_decode_" + re.sub(r"\W+", "_", str(isa))  # one build per ISA
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags,
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return f"{type(error).__name__}: {first_line}".rstrip(": ")
+
+    @torch.library.register_fake("miniinfer::paged_token_attention")
+    def _(q, pool, k_base, v_base, block_size, tables, positions, scale):
+        return q.new_empty(q.shape)
+
+    return None
+
+
+def unavailable(head_dim: int) -> str | None:
+    """Why the op cannot attend heads of ``head_dim`` here (None: it can): it is not built, or
+    a head is not a whole number of the CPU's vectors."""
+    reason = load()
+    if reason is None:
+        from torch._inductor import cpu_vec_isa
+
+        lanes = cpu_vec_isa.pick_vec_isa().nelements()
+        if head_dim % lanes:
+            reason = f"head dim {head_dim} is not a multiple of this CPU's {lanes} fp32 lanes"
+    return reason
+
+
+def paged_token_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_base: int,
+                          block_size: int, tables: torch.Tensor, positions: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Each token of ``q`` ``[T, heads, dim]`` attends causally to positions ``0 ..
+    positions[t]`` of its own block table ``tables[t]`` (int32 ``[T, W]``) over the flat
+    ``pool`` ``[slots, kv_heads, dim]``, this layer's K from row ``k_base`` and V from
+    ``v_base``: :func:`~miniinfer.runner.compiled_attention.fused_paged_attention`'s result,
+    read in place. Call :func:`unavailable` first."""
+    return torch.ops.miniinfer.paged_token_attention(q, pool, k_base, v_base, block_size,
+                                                     tables, positions, scale)
