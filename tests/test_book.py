@@ -190,6 +190,11 @@ def test_package_map_assigns_each_stage_module_to_its_chapter():
     for cls in ENGINES.values():
         assert modules.loc[cls.__module__, "chapter"] == chapter_of_stage(cls.name)
     assert modules.loc["miniinfer.core.kernels.reference", "chapter"] == "06"  # a package's children
+    # A later chapter's module inside an earlier chapter's package is the later chapter's.
+    assert modules.loc["miniinfer.core.kernels.cpu_decode", "chapter"] == "11"
+    assert modules.loc["miniinfer.runner.compiled_attention", "chapter"] == "11"
+    assert modules.loc["miniinfer.runner.tensor_parallel_costs", "chapter"] == "12"
+    assert modules.loc["miniinfer.runner.direct", "chapter"] == "06"
 
 
 def test_every_registered_chapter_has_its_notebook_under_its_title():

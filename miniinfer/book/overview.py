@@ -92,8 +92,9 @@ def package_map() -> pd.DataFrame:
     for info in pkgutil.walk_packages(package.__path__, "miniinfer."):
         if info.name.endswith("__main__"):
             continue
-        owner = next((chapter_of[m] for m in chapter_of
-                      if info.name == m or info.name.startswith(m + ".")), "-")
+        # The most specific entry wins: chapter 11's runner.compiled, not chapter 06's runner.
+        owners = [m for m in chapter_of if info.name == m or info.name.startswith(m + ".")]
+        owner = chapter_of[max(owners, key=len)] if owners else "-"
         doc = (importlib.import_module(info.name).__doc__ or "").strip()
         rows.append({"module": info.name, "chapter": owner,
                      "what it is": " ".join(doc.split("\n\n")[0].split())})
