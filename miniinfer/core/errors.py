@@ -41,3 +41,10 @@ def keep_on_interrupt(finished: Callable[[], object | None]) -> Iterator[None]:
         raise
     except KeyboardInterrupt:
         raise Interrupted(finished()) from None
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as its type and the first line of its message: why a fast path was not
+    taken, in a warning or a recorded column."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line}".rstrip(": ")

@@ -59,9 +59,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
-from ..core.errors import MiniInferError
+from ..core.errors import MiniInferError, one_line
 from ..core.kernels import cpu_decode
-from ..core.kernels.cpu_decode import paged_token_attention
 from ..core.kv_cache import PagedKVCache
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
 from .compiled_attention import fused_paged_attention, segment_attention
@@ -151,8 +150,7 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
         probe = torch.compile(lambda x: x * 2 + 1, dynamic=False, fullgraph=True)
         probe(torch.ones(3, device=device))
     except Exception as error:  # noqa: BLE001 (whatever stops inductor here is the reason)
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}".rstrip(": ")
+        return one_line(error)
     return None
 
 
@@ -216,9 +214,9 @@ class _Body(nn.Module):
             pool.index_put_((slot_mapping + k_base,), k[write_rows])
             pool.index_put_((slot_mapping + v_base,), v[write_rows])
             if self.token_kernel:
-                out = paged_token_attention(q[:fused], pool, k_base, v_base, block_size,
-                                            token_tables[:fused], position_ids[:fused],
-                                            self.scale)
+                out = cpu_decode.paged_token_attention(
+                    q[:fused], pool, k_base, v_base, block_size, token_tables[:fused],
+                    position_ids[:fused], self.scale)
             else:
                 out = fused_paged_attention(q[:fused], pool[context_slots + k_base],
                                             pool[context_slots + v_base], visible, self.scale)

@@ -120,7 +120,7 @@ def prepack_model(model: nn.Module) -> list[MergedProjections]:
     merged ones, the output and down projections, and the LM head."""
     merged = merge_projections(model)
     weights = [model.lm_head.weight]
-    for layer, m in zip(model.model.layers, merged):
+    for layer, m in zip(model.model.layers, merged, strict=True):
         weights += [m.qkv, m.gate_up, layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
     prepack(weights)
     return merged

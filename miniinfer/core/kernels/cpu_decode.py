@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import one_line
+
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 
 
@@ -43,8 +45,7 @@ def load() -> str | None:
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        return f"{type(error).__name__}: {first_line}".rstrip(": ")
+        return one_line(error)
 
     @torch.library.register_fake("miniinfer::paged_token_attention")
     def _(q, pool, k_base, v_base, block_size, tables, positions, scale):
