@@ -42,6 +42,7 @@ from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device, smollm2_cache
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
+from ..runner.onednn_linear import onednn_available
 from .chapters import CHAPTERS
 from .client_bench import free_port
 from .results import RESULTS
@@ -176,8 +177,7 @@ def _bench_and_close(lm: LoadedModel, engines: dict, speed) -> pd.DataFrame:
 def bf16_supported(dev: torch.device) -> bool:
     """Whether this CPU has bf16 arithmetic (AVX-512 BF16 or AMX): without it, bf16 runs as
     emulated conversions, and a bf16 row would measure those."""
-    return dev.type == "cpu" and torch.backends.mkldnn.is_available() and \
-        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return onednn_available(dev, torch.bfloat16)
 
 
 def record_bf16(bf16: LoadedModel, peer: bool) -> Path:

@@ -348,7 +348,7 @@ class CompiledForward:
     @property
     def _onednn_min_tokens(self) -> int | None:
         """From how many tokens a bucket's matmuls run through oneDNN (None: never)."""
-        if not onednn_available(self.device):
+        if not onednn_available(self.device, self.dtype_probe.dtype):
             return None
         if self.dtype_probe.dtype == torch.bfloat16:
             return self.options.onednn_min_tokens_bf16

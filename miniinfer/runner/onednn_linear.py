@@ -46,10 +46,19 @@ _PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 calls = {"packed": 0, "unpacked": 0}
 
 
-def onednn_available(device: torch.device) -> bool:
-    """Whether this torch can reorder and run linear weights with oneDNN on ``device``."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def onednn_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch can reorder and run ``dtype`` linear weights with oneDNN on
+    ``device``. Half-precision weights also need the CPU to compute in them (bf16: AVX-512 or
+    AVX-NE-CONVERT; a CPU with AVX2 only, such as AMD's Zen 3, has neither, and oneDNN refuses
+    to reorder its weights)."""
+    if not (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return dtype == torch.float32
 
 
 def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
