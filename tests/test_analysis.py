@@ -4,6 +4,8 @@ device), the decode floor's compute roof, phase tables without negative time."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -40,6 +42,21 @@ def test_load_guard_records_columns_around_its_block():
     assert set(cols) == {"load_before", "load_after", "steal_pct", "busy"}
     assert cols["load_before"] >= 0 and cols["load_after"] >= 0
     assert isinstance(cols["busy"], bool)
+
+
+def test_every_row_names_the_instruction_set_it_ran_with():
+    """Hosts of one CPU name differ in what they can run (AVX-512 or AVX2 only): each row says
+    which, as PyTorch dispatches to it (the same answer its kernels get)."""
+    meta = devices.run_metadata(torch.device("cpu"))
+    assert meta["isa"] == torch.backends.cpu.get_cpu_capability()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # the user chose another dispatch: nothing to check
+        return
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert meta["isa"].startswith("AVX512")
+    elif "avx2" in flags:
+        assert meta["isa"] == "AVX2"
 
 
 def test_device_table_round_trip_and_no_write_unless_stored(tmp_path, monkeypatch):

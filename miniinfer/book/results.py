@@ -221,7 +221,7 @@ def stage_results(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07
 def recorded_runs() -> pd.DataFrame:
     """One row per recorded results file: chapter, file, and the device, model, software and
     commit of the run that wrote it."""
-    columns = ["device_name", "model", "dtype", "torch", "transformers", "git_sha", "date"]
+    columns = ["device_name", "isa", "model", "dtype", "torch", "transformers", "git_sha", "date"]
     rows = []
     for path in sorted(RESULTS.glob("ch*/**/*.csv")):
         first = read_results(path).iloc[0]

@@ -36,6 +36,17 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def device_isa(device: torch.device) -> str:
+    """What the device computes with, beyond its name: hosts sold under one CPU name differ
+    (an "AMD EPYC" VM here was a Zen 4 with AVX-512 one day and a Zen 3 with AVX2 only the
+    next), and that decides which kernels can run (bf16 needs AVX-512). A CPU's vector
+    extension as PyTorch dispatches to it (``AVX512``, ``AVX2``, ...); a GPU's ``sm_XY``."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def device_slug(device: torch.device) -> str:
     """``cpu-intel-xeon-platinum-8481c`` / ``cuda-nvidia-h100-80gb-hbm3``: the CSV file name."""
     name = device_name(device).lower()
@@ -63,6 +74,7 @@ def run_metadata(device: torch.device) -> dict[str, str | int]:
     return {
         "device": device.type,
         "device_name": device_name(device),
+        "isa": device_isa(device),
         "threads": torch.get_num_threads() if device.type == "cpu" else 0,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
