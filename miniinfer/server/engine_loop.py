@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ..core.errors import MiniInferError
 from ..core.kv_cache import RequestId
+from ..core.openmp import release_openmp_threads
 from ..core.prefix_cache import PrefixCacheBlockManager
 from ..core.sampling import SamplingParams, TokenLogprobs
 from ..core.scheduler import FinishReason, Request
@@ -111,6 +112,9 @@ class EngineLoop:
                 + len(self.engine.scheduler.waiting))
 
     def start(self) -> None:
+        # The calling thread loaded the model and built the engine: its OpenMP team would
+        # make the loop thread's sleep between parallel regions (core.openmp).
+        release_openmp_threads()
         self._thread.start()
 
     def submit(self, handles: Sequence[RequestHandle]) -> None:

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from ...core.devices import LoadGuard, run_metadata
 from ...core.errors import InvalidRequestError, keep_on_interrupt
 from ...core.models import LoadedModel, dtype_name
+from ...core.openmp import release_openmp_threads
 from ..offline import own_threads
 from ..peers import VLLM
 from .metrics import request_table, step_table, summarize
@@ -130,9 +131,10 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
     systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size, config.tensor_parallel)
     runs, requests, steps = [], [], []
     # Every system serves from a worker thread, because transformers' continuous batching
-    # always runs its loop in one: on our CPU machine PyTorch's matrix multiplies run
-    # differently in the main thread than in others (like one thread; faster when the cores
-    # are contended, slower when they are free), and a comparison must not hinge on that.
+    # always runs its loop in one, and a comparison must not hinge on which thread steps a
+    # model. Before each run the main thread, which loaded the model, gives its OpenMP team
+    # back: a second team beside the stepping thread's makes both sleep between parallel
+    # regions (core.openmp), which cost our compiled stage a sixth of its served throughput.
     with (keep_on_interrupt(lambda: _results(config, meta, runs, requests, steps) if runs
                             else None),
           ThreadPoolExecutor(max_workers=1) as executor):
@@ -142,6 +144,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
         executor_close = executor.submit
         for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
                                          leave=False):
+            release_openmp_threads()
             if config.warmup:
                 worker.run(systems.serve, system, budget or budgets[0], warmup)
             with LoadGuard(own_threads(lm)) as load:
