@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,36 +23,48 @@ pytestmark = [
 ]
 
 
-def _threads() -> int:
-    return len(list(TASKS.iterdir()))
+def _thread_ids() -> set[int]:
+    return {int(task.name) for task in TASKS.iterdir()}
 
 
 def _parallel_op() -> None:
     torch.ones(1 << 22).mul_(2).sum()  # far past ATen's grain size: an OpenMP region
 
 
+def _gone(ids: set[int], deadline_s: float = 30.0) -> bool:
+    """Whether every thread in ``ids`` has exited (released workers leave their barrier before
+    the kernel reaps them, so this waits for that, up to a deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while ids & _thread_ids():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_thread_gives_its_team_back_and_gets_a_new_one_when_it_needs_it():
-    counts: dict[str, int] = {}
+    """Thread ids, not counts: other tests' threads may come and go meanwhile."""
+    seen: dict[str, set[int]] = {}
     released: list[bool] = []
 
     def in_a_new_thread() -> None:
-        counts["before"] = _threads()
+        before = _thread_ids()
         _parallel_op()
-        counts["with its team"] = _threads()
+        seen["team"] = _thread_ids() - before
         released.append(release_openmp_threads())
-        counts["released"] = _threads()
+        seen["gone"] = seen["team"] if _gone(seen["team"]) else set()
+        before = _thread_ids()
         _parallel_op()
-        counts["again"] = _threads()
+        seen["new team"] = _thread_ids() - before
         release_openmp_threads()
 
     thread = threading.Thread(target=in_a_new_thread)
     thread.start()
     thread.join()
-    workers = counts["with its team"] - counts["before"]
-    assert workers >= 1, counts  # the thread's first region started a team of its own
+    assert seen["team"], "the thread's first region started no workers of its own"
     assert released == [True]
-    assert counts["released"] == counts["before"], counts  # its workers are gone
-    assert counts["again"] == counts["with its team"], counts  # and come back when needed
+    assert seen["gone"] == seen["team"], "released workers still running"
+    assert seen["new team"], "the next region found no workers"
 
 
 def test_releasing_without_a_team_or_twice_is_harmless():
