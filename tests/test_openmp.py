@@ -16,7 +16,7 @@ from miniinfer.core.openmp import _openmp_runtime, release_openmp_threads
 TASKS = Path(f"/proc/{os.getpid()}/task")
 
 pytestmark = [
-    pytest.mark.skipif(not TASKS.exists(), reason="counts threads through /proc"),
+    pytest.mark.skipif(not TASKS.exists(), reason="reads the process's threads from /proc"),
     pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread runs no team"),
     pytest.mark.skipif(_openmp_runtime() is None,
                        reason="no OpenMP runtime with omp_pause_resource_all in this torch"),

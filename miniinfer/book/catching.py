@@ -175,8 +175,8 @@ def _bench_and_close(lm: LoadedModel, engines: dict, speed) -> pd.DataFrame:
 
 
 def bf16_supported(dev: torch.device) -> bool:
-    """Whether this CPU has bf16 arithmetic (AVX-512 BF16 or AMX): without it, bf16 runs as
-    emulated conversions, and a bf16 row would measure those."""
+    """Whether this CPU computes in bf16 as oneDNN needs it (AVX-512 or AVX-NE-CONVERT):
+    without it, bf16 runs as emulated conversions, and a bf16 row would measure those."""
     return onednn_available(dev, torch.bfloat16)
 
 

@@ -28,6 +28,7 @@ and so do its gate and up projections (:func:`merge_projections`): 4 calls a lay
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ _PACKED: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
 calls = {"packed": 0, "unpacked": 0}
 
 
+@functools.cache  # a fact of this machine and torch build; asked on every compiled step
 def onednn_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
     """Whether this torch can reorder and run ``dtype`` linear weights with oneDNN on
     ``device``. Half-precision weights also need the CPU to compute in them (bf16: AVX-512 or
