@@ -2,11 +2,14 @@
 //
 // Each token attends causally to its own request's positions 0 .. position, found through its
 // block table, over the flat pool [slots, kv_heads, dim] (this layer's K from row k_base, its
-// V from v_base). One work item per token, spread over ATen's threads: it reads each slot of
-// its context whole (every kv head's row lies next to the others) once for the scores and
+// V from v_base). The step's tokens are shared out over ATen's threads by their contexts'
+// lengths; a token reads each slot of its context whole (every kv head's row lies next to the others) once for the scores and
 // once for the values, so a context costs one pass over its K and one over its V, in blocks
 // the hardware can stream, with the next block prefetched. Scores and the softmax are fp32
-// whatever the pool holds, as in the reference. The vector width is whatever at::vec has for
+// whatever the pool holds, as in the reference. Both passes keep four independent sums in
+// flight (four positions' scores, four vectors of a head's output), so that the FMAs do not
+// wait on each other: on a Zen 3 (AVX2) these two changes took a 32-token decode layer from
+// 1.72 to 1.22 ms (contexts 50-380, median of 15 interleaved rounds). The vector width is whatever at::vec has for
 // the ISA this was compiled for (cpu_decode.py passes inductor's choice of flags).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -55,12 +59,21 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
   auto context_of = [&](int64_t t) { return std::min(position_ptr[t] + 1, width * block_size); };
   int64_t max_context = 1;
   for (int64_t t = 0; t < tokens; ++t) max_context = std::max(max_context, context_of(t));
-  // A thread's share at least about 64 positions' worth: below that, waking the other
-  // threads costs more than the work (a single decode runs on the calling thread).
-  int64_t positions_total = 0;
-  for (int64_t t = 0; t < tokens; ++t) positions_total += context_of(t);
-  const int64_t grain = std::max<int64_t>(1, tokens * 64 / std::max<int64_t>(1, positions_total));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  // Work is spread by positions, not tokens: contexts differ by several times within a step,
+  // and equal token counts per thread left one thread with twice the other's work. Each of
+  // the pieces gets the tokens whose cumulative positions fall into its share.
+  std::vector<int64_t> cumulative(tokens + 1, 0);
+  for (int64_t t = 0; t < tokens; ++t) cumulative[t + 1] = cumulative[t] + context_of(t);
+  // About 64 positions a piece at least: below that, waking a thread costs more than the work.
+  const int64_t pieces = std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(at::get_num_threads()), tokens, cumulative[tokens] / 64}));
+  at::parallel_for(0, pieces, 1, [&](int64_t piece_begin, int64_t piece_end) {
+    auto first_token = [&](int64_t piece) {
+      const int64_t share = cumulative[tokens] * piece / pieces;
+      return static_cast<int64_t>(std::lower_bound(cumulative.begin(), cumulative.end(), share)
+                                  - cumulative.begin());
+    };
+    const int64_t begin = first_token(piece_begin), end = first_token(piece_end);
     std::vector<float> scores(heads * max_context), query(heads * dim), acc(heads * dim),
         inv_sum(heads), converted(block_size * slot_stride);
     for (int64_t t = begin; t < end; ++t) {
@@ -78,15 +91,35 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         const int64_t first = b * block_size, n = std::min(block_size, context - first);
         if (b + 1 < blocks) prefetch(block_start(k_base, b + 1), block_bytes);
         const float* k_rows = as_float(block_start(k_base, b), converted.data(), n * slot_stride);
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t head = 0; head < heads; ++head) {
-            const float* qh = query.data() + head * dim;
-            const float* k = k_rows + j * slot_stride + (head / group) * dim;
-            Vec sum = Vec::loadu(qh) * Vec::loadu(k);
-            for (int64_t d = Vec::size(); d < dim; d += Vec::size())
-              sum = at::vec::fmadd(Vec::loadu(qh + d), Vec::loadu(k + d), sum);
-            scores[head * max_context + first + j] =
-                at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum);
+        // Four positions at a time per head: four independent sums (an FMA waits on the
+        // one before it in its own sum only), each vector of the query loaded once for four.
+        for (int64_t head = 0; head < heads; ++head) {
+          const float* qh = query.data() + head * dim;
+          const float* k = k_rows + (head / group) * dim;
+          float* s = scores.data() + head * max_context + first;
+          int64_t j = 0;
+          for (; j + 4 <= n; j += 4) {
+            const float *k0 = k + j * slot_stride, *k1 = k0 + slot_stride,
+                        *k2 = k1 + slot_stride, *k3 = k2 + slot_stride;
+            Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+            for (int64_t d = 0; d < dim; d += Vec::size()) {
+              const Vec qd = Vec::loadu(qh + d);
+              s0 = at::vec::fmadd(qd, Vec::loadu(k0 + d), s0);
+              s1 = at::vec::fmadd(qd, Vec::loadu(k1 + d), s1);
+              s2 = at::vec::fmadd(qd, Vec::loadu(k2 + d), s2);
+              s3 = at::vec::fmadd(qd, Vec::loadu(k3 + d), s3);
+            }
+            s[j] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), s0);
+            s[j + 1] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), s1);
+            s[j + 2] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), s2);
+            s[j + 3] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), s3);
+          }
+          for (; j < n; ++j) {
+            const float* kj = k + j * slot_stride;
+            Vec sum(0.f);
+            for (int64_t d = 0; d < dim; d += Vec::size())
+              sum = at::vec::fmadd(Vec::loadu(qh + d), Vec::loadu(kj + d), sum);
+            s[j] = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
           }
         }
       }
@@ -110,7 +143,26 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
           const float* w = scores.data() + head * max_context + first;
           const float* v = v_rows + (head / group) * dim;
           float* a = acc.data() + head * dim;
-          for (int64_t d = 0; d < dim; d += Vec::size()) {
+          // Four vectors of the output at a time: four independent running sums.
+          int64_t d = 0;
+          for (; d + 4 * Vec::size() <= dim; d += 4 * Vec::size()) {
+            constexpr int64_t W = Vec::size();
+            Vec t0 = Vec::loadu(a + d), t1 = Vec::loadu(a + d + W), t2 = Vec::loadu(a + d + 2 * W),
+                t3 = Vec::loadu(a + d + 3 * W);
+            for (int64_t j = 0; j < n; ++j) {
+              const Vec wj(w[j]);
+              const float* vj = v + j * slot_stride + d;
+              t0 = at::vec::fmadd(wj, Vec::loadu(vj), t0);
+              t1 = at::vec::fmadd(wj, Vec::loadu(vj + W), t1);
+              t2 = at::vec::fmadd(wj, Vec::loadu(vj + 2 * W), t2);
+              t3 = at::vec::fmadd(wj, Vec::loadu(vj + 3 * W), t3);
+            }
+            t0.store(a + d);
+            t1.store(a + d + W);
+            t2.store(a + d + 2 * W);
+            t3.store(a + d + 3 * W);
+          }
+          for (; d < dim; d += Vec::size()) {
             Vec total = Vec::loadu(a + d);
             for (int64_t j = 0; j < n; ++j)
               total = at::vec::fmadd(Vec(w[j]), Vec::loadu(v + j * slot_stride + d), total);
