@@ -322,11 +322,11 @@ def test_segment_attention_equals_each_tokens_own_attention():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 48])
 def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim):
-    """(A head of 48 is not a whole number of four AVX2 or AVX-512 vectors: the kernel's
-    leftover vectors.) Each token (decodes of two requests, a prompt chunk, a token whose position lies past
+    """Each token (decodes of two requests, a prompt chunk, a token whose position lies past
     its table, as a padding row's may) attends to exactly its own request's positions up to
     its own, read from this layer's K and V rows of the pool (another layer's rows around
-    them hold other values)."""
+    them hold other values). A head of 48 is not a whole number of four AVX2 or AVX-512
+    vectors: the kernel's leftover vectors."""
     if (reason := cpu_decode.unavailable(dim)) is not None:
         pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
     torch.manual_seed(0)

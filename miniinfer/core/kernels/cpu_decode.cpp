@@ -3,14 +3,15 @@
 // Each token attends causally to its own request's positions 0 .. position, found through its
 // block table, over the flat pool [slots, kv_heads, dim] (this layer's K from row k_base, its
 // V from v_base). The step's tokens are shared out over ATen's threads by their contexts'
-// lengths; a token reads each slot of its context whole (every kv head's row lies next to the others) once for the scores and
-// once for the values, so a context costs one pass over its K and one over its V, in blocks
-// the hardware can stream, with the next block prefetched. Scores and the softmax are fp32
-// whatever the pool holds, as in the reference. Both passes keep four independent sums in
-// flight (four positions' scores, four vectors of a head's output), so that the FMAs do not
-// wait on each other: on a Zen 3 (AVX2) these two changes took a 32-token decode layer from
-// 1.72 to 1.22 ms (contexts 50-380, median of 15 interleaved rounds). The vector width is whatever at::vec has for
-// the ISA this was compiled for (cpu_decode.py passes inductor's choice of flags).
+// lengths. A token reads each slot of its context whole (every kv head's row lies next to the
+// others) once for the scores and once for the values, so a context costs one pass over its K
+// and one over its V, in blocks the hardware can stream, with the next block prefetched.
+// Scores and the softmax are fp32 whatever the pool holds, as in the reference. Both passes
+// keep four independent sums in flight (four positions' scores, four vectors of a head's
+// output), so that the FMAs do not wait on each other: on a Zen 3 (AVX2) these two changes
+// took a 32-token decode layer from 1.72 to 1.22 ms (contexts 50-380, median of 15
+// interleaved rounds). The vector width is whatever at::vec has for the ISA this was compiled
+// for (cpu_decode.py passes inductor's choice of flags).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
