@@ -29,10 +29,11 @@ from miniinfer.runner.onednn_linear import (
 # reuses the first one's graphs: same weights, same shapes); the largest bucket is small
 # enough that prompts run in several chunks, and attends by segment past its first 4 tokens
 # (so decodes, prompt chunks and padding all go through both kinds of attention). The 16-token
-# bucket runs its matmuls through oneDNN's prepacked weights (the default from 16 tokens), the
-# smaller ones through inductor's.
+# bucket runs its matmuls through oneDNN's prepacked weights on every CPU (by default a CPU with
+# AVX2 only would not), the smaller ones through inductor's.
 OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False,
-                         segment_attention_min_tokens=16, fused_attention_rows=4)
+                         segment_attention_min_tokens=16, fused_attention_rows=4,
+                         onednn_min_tokens=16, onednn_min_tokens_avx2=16)
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 # Lengths that end on a block boundary (16, 32), one past it (17) and sum past 64 (chunks).
 PROMPT_LENGTHS = (3, 16, 17, 32, 9)
@@ -245,13 +246,20 @@ def test_rejects_metadata_it_cannot_read_and_bad_buckets():
         CompileOptions(onednn_min_tokens=0)
     with pytest.raises(MiniInferError, match="onednn_min_tokens_bf16 must be a whole number"):
         CompileOptions(onednn_min_tokens_bf16=0)
+    with pytest.raises(MiniInferError, match="onednn_min_tokens_avx2 must be a whole number"):
+        CompileOptions(onednn_min_tokens_avx2=0)
     assert CompileOptions(onednn_min_tokens=None).onednn_min_tokens is None
 
 
 @pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
-def test_the_onednn_threshold_follows_the_models_dtype(tiny):
+def test_the_onednn_threshold_follows_the_models_dtype_and_the_cpus_vectors(tiny):
     fp32 = CompiledForward(tiny.model, make_engine("paged-attention", tiny).kv_cache)
-    assert [fp32._gemm(n) for n in (4, 8, 16)] == ["template", "template", "onednn"]
+    assert fp32.cpu_isa == torch.backends.cpu.get_cpu_capability()
+    # AVX-512 and others: from 16 tokens; AVX2 only: past the autotuned buckets (up to 32).
+    for isa, kinds in (("AVX512", ["template", "template", "onednn", "onednn", "onednn"]),
+                       ("AVX2", ["template", "template", "template", "template", "onednn"])):
+        fp32.cpu_isa = isa
+        assert [fp32._gemm(n) for n in (4, 8, 16, 32, 48)] == kinds, isa
     bf16 = load_model("tiny", dtype=torch.bfloat16)
     forward = CompiledForward(bf16.model, make_engine("paged-attention", bf16).kv_cache)
     if onednn_available(torch.device("cpu"), torch.bfloat16):

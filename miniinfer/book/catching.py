@@ -118,13 +118,14 @@ def ablation_options() -> dict[str, CompileOptions]:
     """The compiled forward's fixes, added one at a time: fusion alone (inductor's loops around
     MKL's GEMMs, attention reading the pool in place), then the weights frozen into the graph,
     then the GEMMs autotuned (inductor's C++ template, up to 32 tokens), then the larger steps'
-    prompt chunks attended by segment, then the matmuls of steps from 16 tokens through
-    oneDNN's prepacked weights, then the other tokens' attention through the C++ kernel: the
+    prompt chunks attended by segment, then the matmuls of steps from 16 tokens (48 on a CPU
+    with AVX2 only) through oneDNN's prepacked weights, then the other tokens' attention through the C++ kernel: the
     stage as it ships."""
     from ..runner.compiled import CompileOptions
 
     fused = CompileOptions(attention_kernel=False)
-    eager_gemms = replace(fused, onednn_min_tokens=None, onednn_min_tokens_bf16=None)
+    eager_gemms = replace(fused, onednn_min_tokens=None, onednn_min_tokens_bf16=None,
+                          onednn_min_tokens_avx2=None)
     return {"fusion": replace(eager_gemms, max_autotune=False, freezing=False,
                               segment_attention_min_tokens=None),
             "+ freezing": replace(eager_gemms, max_autotune=False,

@@ -59,6 +59,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 from transformers import PreTrainedModel
 
+from ..core.devices import device_isa
 from ..core.errors import MiniInferError, one_line
 from ..core.kernels import cpu_decode
 from ..core.kv_cache import PagedKVCache
@@ -100,6 +101,12 @@ class CompileOptions:
     # The same threshold for a bfloat16 model: there the template's step of 8 tokens was 1.7x
     # oneDNN's (52 vs 30 ms, mixed contexts of 50-380 on our CPU), at 1-4 rows 0.7x.
     onednn_min_tokens_bf16: int | None = 8
+    # The fp32 threshold on a CPU whose widest vectors are AVX2. The figures above are from a
+    # Zen 4 (AVX-512); on a Zen 3 (AVX2) oneDNN lost to the autotuned template at 16 and 32
+    # rows: a served step of 32 decodes (contexts 50-380) took 213 ms through
+    # oneDNN and 181 ms through the template, of 16 decodes 177 and 130 ms (medians of 24
+    # steps, the two interleaved), so there oneDNN starts past the autotuned buckets.
+    onednn_min_tokens_avx2: int | None = 48
     freezing: bool = True
     # What running one more chunk costs, in tokens' worth of a compute-bound step: reading
     # every weight again, about as long as 16 tokens' matmuls on our CPU (chunk_sizes).
@@ -125,7 +132,7 @@ class CompileOptions:
                                  f"got {buckets!r}")
         for name, least in (("fused_attention_rows", 1), ("chunk_cost_tokens", 0),
                             ("segment_attention_min_tokens", 1), ("onednn_min_tokens", 1),
-                            ("onednn_min_tokens_bf16", 1)):
+                            ("onednn_min_tokens_bf16", 1), ("onednn_min_tokens_avx2", 1)):
             value = getattr(self, name)
             if value is None and "_min_tokens" in name:
                 continue
@@ -278,6 +285,8 @@ class CompiledForward:
         self.rotary = model.model.rotary_emb
         # The rotary embedding reads only the dtype and device of the tensor it is given.
         self.dtype_probe = torch.empty(0, dtype=kv_cache.kv.dtype, device=self.device)
+        # The vectors the CPU's kernels use (decides where oneDNN's matmuls pay; None on a GPU).
+        self.cpu_isa = device_isa(self.device) if self.device.type == "cpu" else None
         # The pool as one flat tensor of slot rows (a view: the same memory the engine owns).
         self.pool = kv_cache.kv.view(-1, kv_cache.kv_heads, kv_cache.head_dim)
         self.compile_seconds: dict[tuple[str, int], float] = {}
@@ -352,6 +361,8 @@ class CompiledForward:
             return None
         if self.dtype_probe.dtype == torch.bfloat16:
             return self.options.onednn_min_tokens_bf16
+        if self.cpu_isa == "AVX2":
+            return self.options.onednn_min_tokens_avx2
         return self.options.onednn_min_tokens
 
     @property
