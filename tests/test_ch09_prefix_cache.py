@@ -376,4 +376,5 @@ def test_bench_serving_reports_hit_rates_and_starts_cold(tiny):
     steps = results.steps[results.steps.system == "prefix-cache"]
     assert steps.num_blocks_cached.iloc[-1] > 0 and steps.num_blocks_in_use.iloc[-1] == 0
     assert results.runs.workload.eq("shared-prefix").all()
+    assert results.runs.peer_version.eq("").all()  # ours, not a peer's
     assert set(results.requests.turn) == {1}

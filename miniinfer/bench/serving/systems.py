@@ -61,6 +61,7 @@ class ServingRun:
     start: float
     requests: list[ServedRequest]
     steps: list[StepResult] = field(default_factory=list)
+    peer_version: str = ""  # which build of a peer served it ("": one of ours)
 
     @property
     def end(self) -> float:
@@ -211,7 +212,8 @@ def serve_vllm(engine: Engine, workload: Sequence[WorkloadRequest]) -> ServingRu
         times = [start + t for t in r["token_times_s"]]
         served.append(ServedRequest(w.index, len(w.prompt_ids), r["token_ids"], RequestTimeline(
             start + w.arrival_s, start + r["scheduled_s"], [], times, times[-1])))
-    return ServingRun(VLLM, start, sorted(served, key=lambda r: r.index))
+    return ServingRun(VLLM, start, sorted(served, key=lambda r: r.index),
+                      peer_version=engine.version)
 
 
 class Systems:
