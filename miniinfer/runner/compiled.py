@@ -102,10 +102,10 @@ class CompileOptions:
     # oneDNN's (52 vs 30 ms, mixed contexts of 50-380 on our CPU), at 1-4 rows 0.7x.
     onednn_min_tokens_bf16: int | None = 8
     # The fp32 threshold on a CPU whose widest vectors are AVX2. The figures above are from a
-    # Zen 4 (AVX-512); on a Zen 3 (AVX2) oneDNN lost to the autotuned template at 16 and 32
-    # rows: a served step of 32 decodes (contexts 50-380) took 213 ms through oneDNN and 181
-    # ms through the template, of 16 decodes 177 and 130 ms (medians of 24 steps, the two
-    # interleaved), so there oneDNN starts past the autotuned buckets.
+    # Zen 4 (AVX-512); on a Zen 3 (AVX2) oneDNN lost to the autotuned template in every
+    # autotuned bucket from 16: a served step of 32 decodes (contexts 50-380) took 213 ms
+    # through oneDNN and 181 ms through the template, of 24 decodes 195 and 157 ms, of 16 177
+    # and 130 ms (medians of 24 steps, the two interleaved), so there oneDNN starts past them.
     onednn_min_tokens_avx2: int | None = 48
     freezing: bool = True
     # What running one more chunk costs, in tokens' worth of a compute-bound step: reading

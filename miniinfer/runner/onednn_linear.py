@@ -8,7 +8,7 @@ weights streamed from memory as in a real step, the prepacked oneDNN matmul took
 ``F.linear``'s time from 4 to 64 rows (22 vs 54 ms at 4 rows, 44 vs 103 ms at 32; one run),
 and whole decode steps of 16 and 32 tokens 0.75x and 0.6x the autotuned template's. At 1-8
 rows the template was as fast or faster, so the compiled forward uses oneDNN from 16 tokens
-(on a CPU with AVX2 only, from 48: there the template won at 16 and 32; see CompileOptions).
+(on a CPU with AVX2 only, from 48: there the template won at 16-32 rows; see CompileOptions).
 
 Inductor's own freezing pass packs fp32 weights for MKL, not oneDNN, and its on-disk cache
 cannot store packed tensors (a second process would compile every graph again). So the packing
