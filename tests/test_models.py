@@ -52,3 +52,25 @@ def test_random_models_are_seeded():
     a, b = load_model("tiny"), load_model("tiny")
     assert torch.equal(a.model.model.embed_tokens.weight, b.model.model.embed_tokens.weight)
     assert set(MODELS) == {"smollm2-135m", "qwen2.5-7b", "tiny"}
+
+
+def test_a_cache_carried_without_weights_serves_the_random_models(tmp_path, monkeypatch):
+    """A GPU machine without the GGUF gets the tokenizer files alone: the random-weight models
+    load from them, and nothing tries to convert (the GGUF lookup would fail)."""
+    carried = tmp_path / "smollm2-135m"
+    carried.mkdir()
+    source = smollm2_cache(weights=False)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (carried / name).write_bytes((source / name).read_bytes())
+    monkeypatch.setenv("MINIINFER_CACHE", str(tmp_path))
+
+    def no_gguf():
+        raise AssertionError("the carried cache was not used")
+
+    monkeypatch.setattr("miniinfer.core.models._smollm2_gguf", no_gguf)
+    lm = load_model("tiny")
+    assert lm.tokenizer.decode(lm.tokenizer("a carried tokenizer")["input_ids"]) \
+        == "a carried tokenizer"
+    assert not (carried / "model.safetensors").exists()
+    with pytest.raises(AssertionError, match="not used"):
+        smollm2_cache()  # the weights are still asked for where the real model needs them

@@ -115,10 +115,13 @@ def _smollm2_gguf() -> Path:
     return path
 
 
-def smollm2_cache() -> Path:
-    """Convert the GGUF once into config + tokenizer + safetensors; return the directory."""
+def smollm2_cache(weights: bool = True) -> Path:
+    """Convert the GGUF once into config + tokenizer + safetensors; return the directory.
+    ``weights=False`` asks for the tokenizer alone (the random-weight models use it): a cache
+    carried without its 540 MB of weights, to a GPU machine without the GGUF, serves that."""
     target = cache_dir() / "smollm2-135m"
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    if (target / "tokenizer.json").exists() and (
+            not weights or (target / "model.safetensors").exists()):
         return target
     from safetensors.torch import save_file
 
@@ -266,7 +269,7 @@ def model_config(name: str) -> PretrainedConfig:
 
 
 def load_tokenizer() -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(smollm2_cache())
+    return AutoTokenizer.from_pretrained(smollm2_cache(weights=False))
 
 
 def load_model(

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (issue 25): its facts, the GPU tests, then chapter recordings
+# in the order given, each under what is left of the budget, until the deadline. Every step runs
+# even when one before it failed; what was recorded is packed into $OUT after each step, so a
+# call cut off at its limit still brings back what it finished.
+#
+#   bash scripts/gpu_session.sh BUDGET_S STEP...     STEP: env, tests, device, NN (a chapter)
+#
+# The machine has its own python3 with torch and triton; what the book needs beyond them travels
+# as wheels in .whl/ and SmolLM2's tokenizer (which the random-weight Qwen uses) in .gpu_cache/.
+set -u
+budget=$1; shift
+deadline=$(( $(date +%s) + budget ))
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MINIINFER_CACHE=$PWD/.gpu_cache
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || echo "wheels did not install"
+    export PYTHONPATH=$PWD:/tmp/site
+else
+    export PYTHONPATH=$PWD
+fi
+touch /tmp/session-start
+left() { echo $(( deadline - $(date +%s) )); }
+pack() {  # every results file this call wrote or changed
+    find data/results -type f -newer /tmp/session-start > /tmp/changed
+    tar czf "$out/results.tgz" -T /tmp/changed 2>/dev/null
+}
+summary=""
+for step in "$@"; do
+    t=$(left)
+    if [ "$t" -lt 30 ]; then summary+="$step: not run (budget spent)"$'\n'; continue; fi
+    start=$(date +%s)
+    case $step in
+    env)
+        { nvidia-smi; nvidia-smi -q | grep -iE "clocks|power draw|persistence" | head -20
+          python3 -c "import torch, triton, transformers; print('torch', torch.__version__,
+'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers',
+transformers.__version__); p = torch.cuda.get_device_properties(0); print(p)"
+          python3 -c "import flash_attn" 2>&1 | tail -1; nproc; free -g; } > "$out/env.txt" 2>&1
+        rc=$?; tail -4 "$out/env.txt" ;;
+    tests)
+        timeout $(( t < 150 ? t : 150 )) python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "not in_subprocess" \
+            tests/test_kernels.py tests/test_ch07_async.py::test_every_loop_matches_paged_attention_on_gpu \
+            tests/test_ch07_async.py::test_graph_replay_equals_eager_in_bf16 --durations=10 \
+            > "$out/tests.txt" 2>&1
+        rc=$?; tail -25 "$out/tests.txt" ;;
+    device)
+        timeout "$t" python3 -m miniinfer device --device cuda --measure >> "$out/run.log" 2>&1
+        rc=$? ;;
+    compiled)  # chapter 11's stage on the GPU: a smoke run on the tiny model
+        timeout "$t" python3 -m miniinfer bench --engines hf,compiled --model tiny --device cuda \
+            --batch-sizes 1,8 --prompt-len 64 --new-tokens 64 --repeat 2 \
+            --out "$out/compiled-tiny.csv" >> "$out/run.log" 2>&1
+        rc=$? ;;
+    *)
+        echo "== chapter $step ($t s left) ==" >> "$out/run.log"
+        # SIGINT, as Ctrl-C: a benchmark cut off writes its finished rows, marked partial.
+        timeout -s INT -k 20 "$t" python3 -m miniinfer repro "$step" --device cuda --no-notebook \
+            >> "$out/run.log" 2>&1
+        rc=$? ;;
+    esac
+    summary+="$step: rc $rc in $(( $(date +%s) - start )) s"$'\n'
+    pack
+done
+echo "== run.log (end) =="; tail -60 "$out/run.log" 2>/dev/null
+echo "== files =="; cat /tmp/changed
+echo "== steps =="; printf '%s' "$summary"
