@@ -105,10 +105,16 @@ def test_phase_table_has_no_negative_time(tiny, engine):
         assert table.loc["write_decode_kv", "inside"] == "model_forward"
 
 
-def test_context_sweep_rows_per_engine_and_length(tiny):
+def test_context_sweep_rows_per_engine_and_length(tiny, monkeypatch):
     from miniinfer.book.recordings import run_context_sweep
     from miniinfer.book.workloads import ContextSweep
+    from miniinfer.core import kv_cache
 
+    # A default pool of 3 blocks, too small for 2 requests of 24 + 4 tokens (2 blocks each):
+    # the sweep sizes its engines' pools for its longest context (a GPU's 4,096 overflowed
+    # the default 1 GiB of Qwen2.5-7B K/V).
+    one_block = kv_cache.kv_bytes_per_block(tiny.config, tiny.dtype, kv_cache.DEFAULT_BLOCK_SIZE)
+    monkeypatch.setattr(kv_cache, "DEFAULT_MEMORY_BYTES", 3 * one_block)
     speed = DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "2026-01-01")
     df = run_context_sweep(tiny, ("hf", "paged-loop", "paged-attention"),
                            ContextSweep((8, 24), batch_size=2, new_tokens=4, profiled_steps=2),
@@ -161,15 +167,17 @@ def test_book_helpers_handle_old_and_new_results():
     assert book.load_note(new).startswith("load: quiet machine")
     busy = new.assign(busy=new.index == 0)
     assert book.load_note(busy).startswith("RECORDED ON A BUSY MACHINE: 1 of")
-    assert len(book.plot_what_it_buys(old).axes) == 3
-    assert len(book.plot_by_device(old).axes) == 2
+    devices = old.device_name.nunique()  # every device recorded so far (a GPU's too)
+    assert len(book.plot_what_it_buys(old).axes) == 3 * devices
+    assert len(book.plot_by_device(old).axes) == 2 * devices
     assert book.recorded_context_sweeps("02").empty
     assert not book.speed_of_light_table().empty  # old runs: rescaled, no crash
     ab = book.ablation_table(new, [("paged-prealloc", "paged-attention", "x")])
-    assert len(ab) == new.batch_size.nunique()
-    rows = new.set_index(["engine", "batch_size"])
+    assert len(ab) == new.groupby("device_name").batch_size.nunique().sum()  # per device
+    first = new.device_name.iloc[0]
+    rows = new[new.device_name == first].set_index(["engine", "batch_size"])
     b = new.batch_size.iloc[0]
-    assert ab.loc[(new.device_name.iloc[0], b, "x"), "points of hf"] == round(
+    assert ab.loc[(first, b, "x"), "points of hf"] == round(
         rows.loc[("paged-attention", b), "pct_of_hf"] - rows.loc[("paged-prealloc", b), "pct_of_hf"], 1)
 
 
