@@ -67,11 +67,16 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     from ..bench.offline import make_prompts, own_threads, run_metrics
     from ..bench.profiling import phase_table, profile_decode
     from ..core.devices import LoadGuard, decode_floor, run_metadata
+    from ..core.kv_cache import DEFAULT_BLOCK_SIZE, blocks_for
     from ..core.sampling import SamplingParams
     from ..engines import make_engine
     from .profiles import attention_gather_ms
 
-    made = {name: make_engine(name, lm) for name in engines}
+    # The default pool (1 GiB) holds 8 x 2,340 tokens of Qwen2.5-7B: a GPU sweep's longest
+    # contexts need a pool sized for them, or the last point fails with its KV cache full.
+    pool = {"num_blocks": sweep.batch_size * blocks_for(max(sweep.context_lens)
+                                                        + sweep.new_tokens, DEFAULT_BLOCK_SIZE)}
+    made = {name: make_engine(name, lm, **({} if name == "hf" else pool)) for name in engines}
     params = SamplingParams(max_new_tokens=sweep.new_tokens, ignore_eos=True)
     meta = run_metadata(lm.device)
     warm = make_prompts(lm, sweep.batch_size, min(sweep.context_lens))
