@@ -62,6 +62,20 @@ def _verdicts(df: pd.DataFrame, engine: str) -> str:
                      for verdict, batches in by_verdict.items())
 
 
+def _span(values: pd.Series, digits: int = 0) -> str:
+    """``lo-hi`` of ``values`` at ``digits`` decimals, one number where both ends print alike."""
+    lo, hi = f"{values.min():.{digits}f}", f"{values.max():.{digits}f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def _floor_line(df: pd.DataFrame, engine: str) -> str:
+    """``engine``'s step at its smallest batch against the speed of light recorded beside it."""
+    row = df[df.engine == engine].sort_values("batch_size").iloc[0]
+    return (f"{row.step_ms:.1f} ms at batch {row.batch_size}, {row.pct_of_floor:.0f}% of the "
+            f"speed of light ({row.floor_ms:.1f} ms: weights and K/V over the measured "
+            f"bandwidth)")
+
+
 def _device(df: pd.DataFrame) -> str:
     return df.device_name.iloc[0] if "device_name" in df and len(df) else "this device"
 
@@ -156,10 +170,13 @@ def _ch05(gpu: bool) -> list[str] | None:
         return None
     share = host_share(phases)
     forward = 100 * share.forward_ms / share.step_ms
-    first = (f"the model forward is {forward.min():.0f}-{forward.max():.0f}% of a decode step; "
-             f"everything else the host does, {share.host_pct.min():.1f}-"
-             f"{share.host_pct.max():.1f}%;")
-    rooflines = [] if gpu else _rooflines(phases.model.iloc[0])
+    first = (f"the model forward is {_span(forward)}% of a decode step; everything else the "
+             f"host does, {_span(share.host_pct, 1)}%;")
+    if gpu:  # a GPU profile times each op's launch on the host, not its kernel: no roofline
+        bench = _on(_runs("05", "bench"), gpu)
+        return [first, f"yet hf's step is {_floor_line(bench, 'hf')}: the GPU waits on the "
+                       f"host's kernel launches (chapter 07 removes them)."]
+    rooflines = _rooflines(phases.model.iloc[0])
     if not rooflines:
         return [first, "its roofline: each op's achieved point against both roofs (drawn once "
                        "the recorded model's config is at hand)."]
@@ -192,6 +209,18 @@ def _rooflines(model: str) -> list:
 def _ch06(gpu: bool) -> list[str] | None:
     df = _on(recorded_results("06"), gpu)
     sweep = _on(recorded_context_sweeps("06"), gpu)
+    if gpu and not df.empty:
+        first = (f"`paged-attention` at {_pcts(df, 'paged-attention')} "
+                 f"({_verdicts(df, 'paged-attention')}): its Triton kernel reads K/V from the "
+                 f"blocks in place, and the step stays launch-bound, "
+                 f"{_floor_line(df, 'paged-attention')};")
+        if sweep.empty:
+            return [first, "its context sweep is not recorded on a GPU yet (`make chapter-06` "
+                           "records it)."]
+        growth = sweep[sweep.engine == "paged-attention"].set_index("context_len").step_ms
+        growth = growth.sort_index()
+        return [first, f"from {growth.index[0]} to {growth.index[-1]} tokens of context its "
+                       f"step grows {growth.iloc[-1] / growth.iloc[0]:.2f}x."]
     if df.empty or sweep.empty:
         return None
     growth = {e: g.set_index("context_len").step_ms.sort_index() for e, g in sweep.groupby("engine")}
@@ -213,6 +242,12 @@ def _ch07(gpu: bool) -> list[str] | None:
     lat = df[df.engine.isin(["async:sync", "async:overlap"])].pivot_table(
         index="batch_size", columns="engine", values="ttft_ms")
     ratio = lat["async:overlap"] / lat["async:sync"]
+    if gpu and "async:cuda-graph" in set(df.engine):
+        return [f"`cuda-graph` at {_pcts(df, 'async:cuda-graph')}: one replay per step instead of "
+                f"a launch per op, {_floor_line(df, 'async:cuda-graph')};",
+                f"`sync` and `overlap` tie hf ({_pcts(df, 'async:sync')} for `sync`; the host's "
+                f"bookkeeping is {_span(split.bookkeeping_pct, 1)}% of a step), and `overlap` "
+                f"delivers the first token {ratio.min():.2f}-{ratio.max():.2f}x later."]
     return [f"the loops tie hf ({_pcts(df, 'async:sync')} for `sync`): the host's bookkeeping "
             f"is {split.bookkeeping_pct.min():.1f}-{split.bookkeeping_pct.max():.1f}% of a step, "
             f"all a loop could win;",
