@@ -211,6 +211,13 @@ def test_host_split_and_timeline_lanes():
     assert split.bookkeeping_pct == 25 and split.between_steps_ms == 2
     labels = [t.get_text() for t in plot_timelines(bars).axes[0].get_yticklabels()]
     assert labels == ["a: host", "a: forward"]
+    assert "device_busy_pct" not in host_split(bars)  # a CPU's bars have no device lane
+    # A GPU's: kernels from 2 to 6 and 4 to 8 (overlapping) and 15 to 17 in the window 0-22;
+    # one before the window does not count.
+    kernels = pd.DataFrame({"lane": "device", "engine": "a", "name": "k",
+                            "start_ms": [2.0, 4.0, 15.0, -5.0], "dur_ms": [4.0, 4.0, 2.0, 3.0]})
+    gpu = host_split(pd.concat([bars, kernels], ignore_index=True)).loc["a"]
+    assert gpu.device_busy_ms == 4 and gpu.device_busy_pct == pytest.approx(100 * 8 / 22)
 
 
 # -- every comparison sentence agrees with the recorded CSV it is printed from -------------

@@ -64,6 +64,18 @@ def test_spread_table_shows_each_engines_range_but_not_hfs():
     assert old["paged-attention"] == "98%"
 
 
+def test_spread_table_has_a_row_per_recorded_device_model_and_batch_only():
+    """Two devices with their own models: no row for a model a device never ran (pivoting with
+    dropna=False would build the whole device x model x dtype x batch product)."""
+    rows = [("cpu", "small", "float32", "hf", 100.0), ("cpu", "small", "float32", "x", 90.0),
+            ("gpu", "big", "bfloat16", "hf", 100.0)]
+    df = pd.DataFrame([{"device_name": d, "model": m, "dtype": t, "batch_size": 1, "engine": e,
+                        "pct_of_hf": p} for d, m, t, e, p in rows])
+    table = pct_of_hf_spread_table(df)
+    assert list(table.index) == [("cpu", "small", "float32", 1), ("gpu", "big", "bfloat16", 1)]
+    assert pd.isna(table.loc[("gpu", "big", "bfloat16", 1), "x"])  # the column stays, empty
+
+
 # -- show_diff and the overview (chapter 00) ---------------------------------------------------
 
 

@@ -62,7 +62,11 @@ def context_sentences(df: pd.DataFrame) -> list[str]:
 def host_split(bars: pd.DataFrame) -> pd.DataFrame:
     """Per engine, from timeline bars: the mean decode step as the host sees it, the forward in
     it, the host bookkeeping (the rest of the step: inputs, sampling, waiting for tokens, and
-    what no range covers) and the gap between one step's end and the next one's start."""
+    what no range covers) and the gap between one step's end and the next one's start. Where
+    the bars have a ``device`` lane (a GPU), also the kernels' busy time per step and
+    ``device_busy_pct``, the share of the steps' window (first start to last end) in which
+    some kernel ran: on a GPU the host's split says little, since a step's launches return
+    before its kernels finish; whether the queue runs dry is this share."""
     rows = []
     for engine, group in bars[bars.lane == "host"].groupby("engine", sort=False):
         steps = group[group.name == "decode_step"].sort_values("start_ms")
@@ -70,12 +74,28 @@ def host_split(bars: pd.DataFrame) -> pd.DataFrame:
         forward = group[group.name == "model_forward"].dur_ms.sum()
         gaps = (steps.start_ms.iloc[1:].to_numpy()
                 - (steps.start_ms + steps.dur_ms).iloc[:-1].to_numpy())
-        rows.append({"engine": engine, "steps": len(steps), "step_ms": total / len(steps),
-                     "forward_ms": forward / len(steps),
-                     "bookkeeping_ms": (total - forward) / len(steps),
-                     "bookkeeping_pct": 100 * (total - forward) / total,
-                     "between_steps_ms": gaps.mean() if len(gaps) else float("nan")})
+        row = {"engine": engine, "steps": len(steps), "step_ms": total / len(steps),
+               "forward_ms": forward / len(steps),
+               "bookkeeping_ms": (total - forward) / len(steps),
+               "bookkeeping_pct": 100 * (total - forward) / total,
+               "between_steps_ms": gaps.mean() if len(gaps) else float("nan")}
+        kernels = bars[(bars.engine == engine) & (bars.lane == "device")]
+        if len(kernels):
+            start, end = steps.start_ms.min(), (steps.start_ms + steps.dur_ms).max()
+            busy = _covered_ms(kernels.start_ms, kernels.start_ms + kernels.dur_ms, start, end)
+            row |= {"device_busy_ms": busy / len(steps), "device_busy_pct": 100 * busy / (end - start)}
+        rows.append(row)
     return pd.DataFrame(rows).set_index("engine")
+
+
+def _covered_ms(starts: pd.Series, ends: pd.Series, lo: float, hi: float) -> float:
+    """How much of [lo, hi] the union of the intervals covers (kernels may overlap)."""
+    covered, reach = 0.0, lo
+    for start, end in sorted(zip(starts.clip(lo, hi), ends.clip(lo, hi), strict=True)):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
 
 
 # -- "% of hf": two figures, one conclusion -------------------------------------------------

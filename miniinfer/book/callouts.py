@@ -243,11 +243,14 @@ def _ch07(gpu: bool) -> list[str] | None:
         index="batch_size", columns="engine", values="ttft_ms")
     ratio = lat["async:overlap"] / lat["async:sync"]
     if gpu and "async:cuda-graph" in set(df.engine):
+        busy = split.device_busy_pct
         return [f"`cuda-graph` at {_pcts(df, 'async:cuda-graph')}: one replay per step instead of "
                 f"a launch per op, {_floor_line(df, 'async:cuda-graph')};",
-                f"`sync` and `overlap` tie hf ({_pcts(df, 'async:sync')} for `sync`; the host's "
-                f"bookkeeping is {_span(split.bookkeeping_pct, 1)}% of a step), and `overlap` "
-                f"delivers the first token {ratio.min():.2f}-{ratio.max():.2f}x later."]
+                f"`sync` and `overlap` tie hf ({_pcts(df, 'async:sync')} for `sync`): in the "
+                f"profiled timeline the GPU is busy {busy['async:sync']:.0f}% of the time under "
+                f"`sync`, {busy['async:overlap']:.0f}% under `overlap` and "
+                f"{busy['async:cuda-graph']:.0f}% under `cuda-graph`; `overlap` delivers the "
+                f"first token {ratio.min():.2f}-{ratio.max():.2f}x later."]
     return [f"the loops tie hf ({_pcts(df, 'async:sync')} for `sync`): the host's bookkeeping "
             f"is {split.bookkeeping_pct.min():.1f}-{split.bookkeeping_pct.max():.1f}% of a step, "
             f"all a loop could win;",

@@ -70,8 +70,15 @@ def _pct_cells(df: pd.DataFrame, index: str | list[str] = "batch_size") -> pd.Da
     """ "97% [91-104]": the median paired ratio to hf and its per-repeat extremes (runs
     recorded before the extremes were kept show the median alone)."""
     def pivot(value: str) -> pd.DataFrame:
-        return df.pivot_table(index=index, columns="engine", values=value, sort=False,
-                              dropna=False).round(0).astype("Int64").astype(str)
+        # dropna=False keeps an engine's column where it lacks a batch size, but with several
+        # index levels it also builds their whole product (an H200 row for the CPU's model):
+        # keep only the index rows something was recorded for.
+        table = df.pivot_table(index=index, columns="engine", values=value, sort=False,
+                               dropna=False)
+        return table[recorded].round(0).astype("Int64").astype(str)
+
+    recorded = df.pivot_table(index=index, columns="engine", values="pct_of_hf", sort=False,
+                              dropna=False).notna().any(axis=1)
 
     cells = pivot("pct_of_hf") + "%"
     if "pct_of_hf_min" in df.columns and df.pct_of_hf_min.notna().all():
