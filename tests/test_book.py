@@ -64,6 +64,26 @@ def test_spread_table_shows_each_engines_range_but_not_hfs():
     assert old["paged-attention"] == "98%"
 
 
+def test_results_markdown_shows_tok_s_alone_for_a_run_without_hf(tmp_path, monkeypatch):
+    from miniinfer.book import results
+
+    meta = {"device_name": "cpu", "model": "m", "dtype": "float32", "prompt_len": 64,
+            "new_tokens": 64, "repeats": 3, "torch": "t", "transformers": "x", "git_sha": "g"}
+    (tmp_path / "ch06").mkdir()
+    (tmp_path / "ch11").mkdir()
+    pd.DataFrame([{**meta, "engine": e, "batch_size": 1, "tok_s": t, "pct_of_hf": p}
+                  for e, t, p in (("hf", 10.0, 100.0), ("x", 12.0, 120.0))]
+                 ).to_csv(tmp_path / "ch06" / "cpu.csv", index=False)
+    pd.DataFrame([{**meta, "engine": e, "batch_size": 1, "tok_s": t, "pct_of_hf": None}
+                  for e, t in (("a", 20.0), ("b", 30.0))]
+                 ).to_csv(tmp_path / "ch11" / "cpu-ablation.csv", index=False)
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    text = results.results_markdown()
+    assert "| 1 | 10.0 (100%) | 12.0 (120%) |" in text
+    assert "tok/s (no hf in this run):" in text and "| 1 | 20.0 | 30.0 |" in text
+    assert "nan" not in text
+
+
 def test_spread_table_has_a_row_per_recorded_device_model_and_batch_only():
     """Two devices with their own models: no row for a model a device never ran (pivoting with
     dropna=False would build the whole device x model x dtype x batch product)."""

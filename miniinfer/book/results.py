@@ -48,14 +48,17 @@ def results_markdown() -> str:
         if not needed <= set(dev.columns) or _is_sweep(path):
             continue  # profiles, serving runs: their chapters show them
         table = dev.pivot_table(index="batch_size", columns="engine", values="tok_s", sort=False)
-        cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
         first = dev.iloc[0]
-        spread = (": the median of per-repeat ratios [lowest-highest]"
-                  if "pct_of_hf_min" in dev.columns else ": the median of per-repeat ratios")
+        if dev.pct_of_hf.isna().all():  # a run without hf (chapter 11's ablation): tok/s alone
+            cells, unit = table.round(1).astype(str), "tok/s (no hf in this run)"
+        else:
+            cells = table.round(1).astype(str) + " (" + _pct_cells(dev) + ")"
+            unit = ("tok/s (% of hf: the median of per-repeat ratios"
+                    + (" [lowest-highest])" if "pct_of_hf_min" in dev.columns else ")"))
         out.append(f"**{path.parent.name}** ({path.name}): {first.device_name}, {first.model} "
                    f"{first['dtype']}, prompt {first.prompt_len}, {first.new_tokens} new tokens, "
                    f"p50 of {first.repeats}, torch {first.torch}, transformers "
-                   f"{first.transformers}, git {first.git_sha}. tok/s (% of hf{spread}):\n")
+                   f"{first.transformers}, git {first.git_sha}. {unit}:\n")
         out.append(_markdown(cells.reset_index()) + "\n")
     return "\n".join(out)
 
