@@ -5,6 +5,7 @@ check that each system gets and returns exactly the requests of the workload).""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -142,6 +143,32 @@ def test_a_recording_in_another_dtype_writes_its_tables_in_their_own_folder(tmp_
     assert [p.stem.rsplit("-", 1)[1] for p in paths] == ["runs", "requests", "steps"]
     assert set(runs.dtype) == {"bfloat16"} and set(runs.experiment) == {"target"}
     assert set(pd.read_csv(paths[1]).dtype) == {"bfloat16"}
+
+
+def test_a_recording_cut_off_keeps_the_experiments_that_finished(tmp_path, monkeypatch):
+    """The H200's first chapter 08 run was stopped by the lease's end after two of three
+    experiments and wrote nothing: each finished experiment is on disk at once now."""
+    monkeypatch.setattr(serving_records, "RESULTS", tmp_path)
+    config = ServingBenchConfig(
+        systems=("continuous",), max_num_batched_tokens=(16,), warmup=False, chapter="08",
+        workload=WorkloadConfig(num_requests=2, request_rate=40.0, prompt_len=(2, 8),
+                                output_len=(1, 3), seed=0))
+    real = serving_records.run_serving_bench
+
+    def cut_off_at_the_second(lm, cfg):
+        if cfg is not config:
+            raise KeyboardInterrupt  # what the lease's end (SIGINT) raises in the second
+        return real(lm, cfg)
+
+    monkeypatch.setattr(serving_records, "run_serving_bench", cut_off_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        serving_records.record_serving(torch.device("cpu"), "08", "tiny",
+                                       {"first": config, "second": replace(config)})
+    written = sorted((tmp_path / "ch08").glob("*.csv"))
+    assert [p.name.rsplit("-", 1)[1] for p in written] == ["requests.csv", "runs.csv",
+                                                            "steps.csv"]
+    runs = pd.read_csv(next(p for p in written if p.name.endswith("-runs.csv")))
+    assert set(runs.experiment) == {"first"} and len(runs) == 1
 
 
 def test_cli_bench_serving_writes_tidy_csvs(tmp_path):

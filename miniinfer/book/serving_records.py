@@ -22,17 +22,18 @@ def record_serving(dev: torch.device, chapter: str, model: str,
     the runs table and the paths. ``dtype``: the model's (None: its default)."""
     lm = load_model(model, device=dev, dtype=dtype)
     tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
-    for name, config in experiments.items():
-        results = run_serving_bench(lm, config)
-        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
-        for kind, frames in tables.items():
-            frames.append(getattr(results, kind).assign(experiment=name))
     out_dir = RESULTS / f"ch{chapter}" / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for kind, frames in tables.items():
-        path = out_dir / f"{device_slug(dev)}-{kind}.csv"
-        pd.concat(frames, ignore_index=True).to_csv(path, index=False)
-        written.append(path)
-        print(f"wrote {path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path}")
-    return pd.concat(tables["runs"], ignore_index=True), written
+    paths = {kind: out_dir / f"{device_slug(dev)}-{kind}.csv" for kind in tables}
+    for done, (name, config) in enumerate(experiments.items(), 1):
+        results = run_serving_bench(lm, config)
+        print(f"{name}:\n{serving_summary_table(results.runs).to_string(index=False)}")
+        # Written after every experiment, so a run cut off (a GPU lease's end) keeps those
+        # that finished; the files are complete once the last one is.
+        for kind, frames in tables.items():
+            frames.append(getattr(results, kind).assign(experiment=name))
+            pd.concat(frames, ignore_index=True).to_csv(paths[kind], index=False)
+        shown = out_dir.relative_to(REPO_ROOT) if out_dir.is_relative_to(REPO_ROOT) else out_dir
+        print(f"wrote {shown}/{device_slug(dev)}-{{{','.join(tables)}}}.csv "
+              f"({done} of {len(experiments)} experiments)")
+    return pd.concat(tables["runs"], ignore_index=True), list(paths.values())
