@@ -297,3 +297,35 @@ def test_triton_interpreter_runs_on_cpu_tensors():
                  torch.float32)
     assert available_backends("cpu") == ["triton", "torch"]
     assert get_backend("auto", "cpu").name == "torch"
+
+
+def test_kernel_bandwidth_counts_the_cache_bytes_and_rotates_past_the_l2(monkeypatch):
+    """Chapter 06's kernel table, run here with the reference on small shapes: the bytes are
+    K and V of every block the batch holds, the caches rotate so that together they pass
+    ``rotate_bytes``, and the rate is those bytes over the median time."""
+    from miniinfer.bench import kernels as kernel_bench
+    from miniinfer.core.devices import DeviceSpeed
+
+    monkeypatch.setattr(kernel_bench, "device_speed",
+                        lambda device: DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "t"))
+    calls = []
+    real = kernels.get_backend("torch").decode
+
+    def counted(q, k, v, *args):
+        calls.append(k.data_ptr())
+        return real(q, k, v, *args)
+
+    monkeypatch.setattr(kernel_bench, "get_backend",
+                        lambda *a: kernels.AttentionBackend("torch", counted, None))
+    df = kernel_bench.decode_kernel_bandwidth(
+        torch.device("cpu"), "torch", contexts=(20, 40), batch_size=2, block_size=8, heads=4,
+        kv_heads=2, head_dim=16, dtype=torch.float32, rotate_bytes=40_000, repeats=4)
+    # 2 requests x 3 blocks of 8 tokens at context 20; 2 x 5 at 40.
+    kv = [2 * 2 * blocks * 8 * 2 * 16 * 4 for blocks in (3, 5)]
+    assert df.kv_mb.tolist() == pytest.approx([b / 2**20 for b in kv])
+    assert df.rotated_sets.tolist() == [-(-40_000 // b) for b in kv]
+    assert len(set(calls[:7])) == min(7, df.rotated_sets[0])  # consecutive calls, fresh caches
+    assert df.gbs.tolist() == pytest.approx([b / (us / 1e6) / 1e9 for b, us
+                                             in zip(kv, df.kernel_us, strict=True)])
+    assert df.pct_of_copy.tolist() == pytest.approx((100 * df.gbs / 10.0).tolist())
+    assert set(df.backend) == {"torch"}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 RECORDINGS = {
     "none": "nothing (reads the recorded results)",
     "bench": "offline benchmark",
+    "paged": "offline benchmark; on a GPU also the decode kernel's bandwidth",
     "profile": "profiled decode steps and the offline benchmark",
     "async": "offline benchmark and stream timelines",
     "serving": "serving workloads (rate, budget and batching sweeps)",
@@ -80,6 +81,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
     Chapter("06", "06_paged_attention", "Paged attention: read the KV where it lies",
             stages=("paged-attention",),
             modules=("miniinfer.core.kernels", "miniinfer.runner"),
+            recording="paged",
             engines=("hf", "paged-vectorized", "paged-prealloc", "paged-attention:registry",
                      "paged-attention"),
             context_sweep=("hf", "paged-vectorized", "paged-prealloc", "paged-attention")),

@@ -179,6 +179,26 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     return written
 
 
+def run_chapter06(device: str | torch.device | None = "auto") -> list[Path]:
+    """The chapter's offline benchmark; on a GPU, then the decode kernel alone timed as a memory
+    stream at batch 8 and 1-4k tokens of context (``kernel/<device>.csv``: a folder of its own,
+    since the benchmark CSVs are every *.csv directly in ch06/)."""
+    from ..bench.kernels import decode_kernel_bandwidth
+
+    dev = resolve_device(device)
+    written = [run_chapter_bench("06", dev)]
+    if dev.type == "cuda":
+        df = decode_kernel_bandwidth(dev).assign(chapter="06")
+        print(df[["context_len", "backend", "kv_mb", "kernel_us", "gbs", "pct_of_copy"]]
+              .round(1).to_string(index=False))
+        path = RESULTS / "ch06" / "kernel" / f"{device_slug(dev)}.csv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        df.to_csv(path, index=False)
+        print(f"wrote {path.relative_to(REPO_ROOT)}")
+        written.append(path)
+    return written
+
+
 def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     """The benchmark of every loop (``<device>.csv``), then a few profiled decode steps of each
     loop at batch 8 as Gantt bars (``timeline/<device>.csv``)."""
@@ -360,6 +380,7 @@ def _reads_results_only(chapter: str, device: torch.device) -> list[Path]:
 RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "none": _reads_results_only,
     "bench": lambda chapter, device: [run_chapter_bench(chapter, device)],
+    "paged": lambda chapter, device: run_chapter06(device),
     "profile": lambda chapter, device: run_chapter05(device),
     "async": lambda chapter, device: run_chapter07(device),
     "serving": lambda chapter, device: run_chapter08(device),
