@@ -15,6 +15,17 @@ from collections.abc import Callable
 import pandas as pd
 
 from . import analysis
+from .callout_rows import (
+    bench_of,
+    device_of,
+    experiments_of,
+    floor_line,
+    on_device,
+    pcts,
+    runs_of,
+    span,
+    verdicts,
+)
 from .gpu_figures import GPU_FIGURES
 from .profiles import host_share
 from .references import POSTS
@@ -24,70 +35,14 @@ from .roofline import FAR_BELOW
 MARK = "**On a CPU you will see**"
 
 
-def _runs(chapter: str, kind: str) -> pd.DataFrame:
-    files = sorted((RESULTS / f"ch{chapter}").glob(f"*-{kind}.csv"))
-    return pd.concat([read_results(f) for f in files], ignore_index=True) if files else pd.DataFrame()
-
-
-def _bench(chapter: str, gpu: bool, others: tuple[str, ...]) -> pd.DataFrame:
-    """A chapter's benchmark rows on one kind of device: its CSVs but those of the ``others``
-    kinds (file names ending ``-<kind>``) that its recording writes beside them."""
-    files = [f for f in sorted((RESULTS / f"ch{chapter}").glob("*.csv"))
-             if not f.stem.endswith(others)]
-    return _on(pd.concat([read_results(f) for f in files], ignore_index=True), gpu) \
-        if files else pd.DataFrame()
-
-
-def _on(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
-    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``)."""
-    if df.empty or "device" not in df:
-        return df.iloc[0:0] if gpu else df
-    cuda = df.device.astype(str).str.startswith("cuda")
-    return df[cuda if gpu else ~cuda]
-
-
-def _pcts(df: pd.DataFrame, engine: str) -> str:
-    rows = df[df.engine == engine].sort_values("batch_size")
-    return ", ".join(f"{p:.0f}%" for p in rows.pct_of_hf) + " of hf at batch " + \
-        "/".join(str(b) for b in rows.batch_size)
-
-
-def _verdicts(df: pd.DataFrame, engine: str) -> str:
-    table = analysis.hf_ratio_table(df).reset_index()
-    rows = table[table.engine == engine].sort_values("batch_size")
-    by_verdict = rows.groupby("verdict", sort=False).batch_size.apply(list)
-    if len(by_verdict) == 1:
-        return f"{by_verdict.index[0]} at every batch size"
-    return ", ".join(f"{verdict} at batch {'/'.join(map(str, batches))}"
-                     for verdict, batches in by_verdict.items())
-
-
-def _span(values: pd.Series, digits: int = 0) -> str:
-    """``lo-hi`` of ``values`` at ``digits`` decimals, one number where both ends print alike."""
-    lo, hi = f"{values.min():.{digits}f}", f"{values.max():.{digits}f}"
-    return lo if lo == hi else f"{lo}-{hi}"
-
-
-def _floor_line(df: pd.DataFrame, engine: str) -> str:
-    """``engine``'s step at its smallest batch against the speed of light recorded beside it."""
-    row = df[df.engine == engine].sort_values("batch_size").iloc[0]
-    return (f"{row.step_ms:.1f} ms at batch {row.batch_size}, {row.pct_of_floor:.0f}% of the "
-            f"speed of light ({row.floor_ms:.1f} ms: weights and K/V over the measured "
-            f"bandwidth)")
-
-
-def _device(df: pd.DataFrame) -> str:
-    return df.device_name.iloc[0] if "device_name" in df and len(df) else "this device"
-
-
 # Each chapter's two lines from its recorded rows of one kind of device (None: nothing recorded).
 def _ch00(gpu: bool) -> list[str] | None:
     from .results import stage_results
 
     stages = stage_results()
-    stages = stages[stages.device_name.isin(_on(recorded_results("01"), gpu).device_name)]
-    serving = _experiments("08", gpu, "target")
-    prefix = _experiments("09", gpu, "shared-prefix")
+    stages = stages[stages.device_name.isin(on_device(recorded_results("01"), gpu).device_name)]
+    serving = experiments_of("08", gpu, "target")
+    prefix = experiments_of("09", gpu, "shared-prefix")
     if stages.empty or serving is None or prefix is None:
         return None
     largest = stages[stages.batch_size == stages.batch_size.max()]
@@ -103,22 +58,22 @@ def _ch00(gpu: bool) -> list[str] | None:
 
 
 def _ch01(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("01"), gpu)
+    df = on_device(recorded_results("01"), gpu)
     if df.empty:
         return None
     hf = df[df.engine == "hf"].set_index("batch_size").sort_index()
     last = hf.index[-1]
     over = min(hf.step_ms[last] / hf.floor_memory_ms[last],
                hf.step_ms[last] / hf.floor_compute_ms[last])
-    return [f"`naive` at {_pcts(df, 'naive')} ({_verdicts(df, 'naive')}): the same decode as "
+    return [f"`naive` at {pcts(df, 'naive')} ({verdicts(df, 'naive')}): the same decode as "
             f"`generate`;",
             f"hf's step {hf.step_ms.iloc[0]:.0f} ms at batch {hf.index[0]} and "
             f"{hf.step_ms[last]:.0f} ms at batch {last}, {over:.1f}x above the nearer of the two "
-            f"roofs: neither memory nor compute binds ({_device(df)})."]
+            f"roofs: neither memory nor compute binds ({device_of(df)})."]
 
 
 def _ch02(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("02"), gpu)
+    df = on_device(recorded_results("02"), gpu)
     if df.empty:
         return None
     pct = df[df.engine == "paged-loop"].set_index("batch_size").pct_of_hf.sort_index()
@@ -126,7 +81,7 @@ def _ch02(gpu: bool) -> list[str] | None:
     lengths = analysis.MIXED_LENGTHS
     memory = analysis.kv_reservation(lengths, bytes_per_token=1)
     hf, paged = memory.reserved_tokens.iloc[0], memory.reserved_tokens.iloc[1]
-    return [f"`paged-loop` at {_pcts(df, 'paged-loop')}: its Python-loop gather "
+    return [f"`paged-loop` at {pcts(df, 'paged-loop')}: its Python-loop gather "
             + {"falls": "loses ground as the batch grows", "rises": "gains as the batch grows",
                "not monotonic": "moves with the batch, though not one way"}[analysis.trend(pct)]
             + ";",
@@ -137,14 +92,14 @@ def _ch02(gpu: bool) -> list[str] | None:
 
 
 def _ch03(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("03"), gpu)
-    sweep = _on(recorded_context_sweeps("03"), gpu)
+    df = on_device(recorded_results("03"), gpu)
+    sweep = on_device(recorded_context_sweeps("03"), gpu)
     if df.empty or sweep.empty:
         return None
     loop = sweep[sweep.engine == "paged-loop"].set_index("context_len").step_ms.sort_index()
     vec = sweep[sweep.engine == "paged-vectorized"].set_index("context_len").step_ms.sort_index()
-    return [f"`paged-vectorized` at {_pcts(df, 'paged-vectorized')}, `paged-loop` at "
-            f"{_pcts(df, 'paged-loop')};",
+    return [f"`paged-vectorized` at {pcts(df, 'paged-vectorized')}, `paged-loop` at "
+            f"{pcts(df, 'paged-loop')};",
             f"from {loop.index[0]} to {loop.index[-1]} tokens of context the loop's step grows "
             f"{loop.iloc[-1] / loop.iloc[0]:.1f}x and the vectorized one's "
             f"{vec.iloc[-1] / vec.iloc[0]:.1f}x (batch {sweep.batch_size.iloc[0]}, one run per "
@@ -152,29 +107,29 @@ def _ch03(gpu: bool) -> list[str] | None:
 
 
 def _ch04(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("04"), gpu)
-    ops = _on(_runs("05", "ops"), gpu)
+    df = on_device(recorded_results("04"), gpu)
+    ops = on_device(runs_of("05", "ops"), gpu)
     if df.empty or ops.empty:
         return None
     write = ops[ops.window == "write_decode_kv"].groupby(["engine", "batch_size"])["count"].sum()
     b = int(ops.batch_size.max())
-    return [f"`paged-prealloc` at {_pcts(df, 'paged-prealloc')} ({_verdicts(df, 'paged-prealloc')});",
+    return [f"`paged-prealloc` at {pcts(df, 'paged-prealloc')} ({verdicts(df, 'paged-prealloc')});",
             f"the K/V write-back goes from {write[('paged-loop', b)]} ops per step to "
             f"{write[('paged-prealloc', b)]} at batch {b}: fewer ops, which a CPU step barely "
             f"notices."]
 
 
 def _ch05(gpu: bool) -> list[str] | None:
-    phases = _on(_runs("05", "phases"), gpu)
+    phases = on_device(runs_of("05", "phases"), gpu)
     if phases.empty:
         return None
     share = host_share(phases)
     forward = 100 * share.forward_ms / share.step_ms
-    first = (f"the model forward is {_span(forward)}% of a decode step; everything else the "
-             f"host does, {_span(share.host_pct, 1)}%;")
+    first = (f"the model forward is {span(forward)}% of a decode step; everything else the "
+             f"host does, {span(share.host_pct, 1)}%;")
     if gpu:  # a GPU profile times each op's launch on the host, not its kernel: no roofline
-        bench = _on(_runs("05", "bench"), gpu)
-        return [first, f"yet hf's step is {_floor_line(bench, 'hf')}: the GPU waits on the "
+        bench = on_device(runs_of("05", "bench"), gpu)
+        return [first, f"yet hf's step is {floor_line(bench, 'hf')}: the GPU waits on the "
                        f"host's kernel launches (chapter 07 removes them)."]
     rooflines = _rooflines(phases.model.iloc[0])
     if not rooflines:
@@ -207,13 +162,13 @@ def _rooflines(model: str) -> list:
 
 
 def _ch06(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("06"), gpu)
-    sweep = _on(recorded_context_sweeps("06"), gpu)
+    df = on_device(recorded_results("06"), gpu)
+    sweep = on_device(recorded_context_sweeps("06"), gpu)
     if gpu and not df.empty:
-        first = (f"`paged-attention` at {_pcts(df, 'paged-attention')} "
-                 f"({_verdicts(df, 'paged-attention')}): its Triton kernel reads K/V from the "
+        first = (f"`paged-attention` at {pcts(df, 'paged-attention')} "
+                 f"({verdicts(df, 'paged-attention')}): its Triton kernel reads K/V from the "
                  f"blocks in place, and the step stays launch-bound, "
-                 f"{_floor_line(df, 'paged-attention')};")
+                 f"{floor_line(df, 'paged-attention')};")
         if sweep.empty:
             return [first, "its context sweep is not recorded on a GPU yet (`make chapter-06` "
                            "records it)."]
@@ -225,17 +180,17 @@ def _ch06(gpu: bool) -> list[str] | None:
         return None
     growth = {e: g.set_index("context_len").step_ms.sort_index() for e, g in sweep.groupby("engine")}
     pa, pp = growth["paged-attention"], growth["paged-prealloc"]
-    return [f"`paged-attention` at {_pcts(df, 'paged-attention')} "
-            f"({_verdicts(df, 'paged-attention')}): on a CPU the reference kernel still copies "
+    return [f"`paged-attention` at {pcts(df, 'paged-attention')} "
+            f"({verdicts(df, 'paged-attention')}): on a CPU the reference kernel still copies "
             f"every block, inside the forward;",
             f"from {pa.index[0]} to {pa.index[-1]} tokens of context its step grows "
             f"{pa.iloc[-1] / pa.iloc[0]:.2f}x, `paged-prealloc`'s {pp.iloc[-1] / pp.iloc[0]:.2f}x."]
 
 
 def _ch07(gpu: bool) -> list[str] | None:
-    df = _on(recorded_results("07"), gpu)
+    df = on_device(recorded_results("07"), gpu)
     files = sorted((RESULTS / "ch07" / "timeline").glob("*.csv"))
-    timeline = _on(pd.concat([read_results(f) for f in files]) if files else pd.DataFrame(), gpu)
+    timeline = on_device(pd.concat([read_results(f) for f in files]) if files else pd.DataFrame(), gpu)
     if df.empty or timeline.empty:
         return None
     split = analysis.host_split(timeline)
@@ -244,31 +199,22 @@ def _ch07(gpu: bool) -> list[str] | None:
     ratio = lat["async:overlap"] / lat["async:sync"]
     if gpu and "async:cuda-graph" in set(df.engine):
         busy = split.device_busy_pct
-        return [f"`cuda-graph` at {_pcts(df, 'async:cuda-graph')}: one replay per step instead of "
-                f"a launch per op, {_floor_line(df, 'async:cuda-graph')};",
-                f"`sync` and `overlap` tie hf ({_pcts(df, 'async:sync')} for `sync`): in the "
+        return [f"`cuda-graph` at {pcts(df, 'async:cuda-graph')}: one replay per step instead of "
+                f"a launch per op, {floor_line(df, 'async:cuda-graph')};",
+                f"`sync` and `overlap` tie hf ({pcts(df, 'async:sync')} for `sync`): in the "
                 f"profiled timeline the GPU is busy {busy['async:sync']:.0f}% of the time under "
                 f"`sync`, {busy['async:overlap']:.0f}% under `overlap` and "
                 f"{busy['async:cuda-graph']:.0f}% under `cuda-graph`; `overlap` delivers the "
                 f"first token {ratio.min():.2f}-{ratio.max():.2f}x later."]
-    return [f"the loops tie hf ({_pcts(df, 'async:sync')} for `sync`): the host's bookkeeping "
+    return [f"the loops tie hf ({pcts(df, 'async:sync')} for `sync`): the host's bookkeeping "
             f"is {split.bookkeeping_pct.min():.1f}-{split.bookkeeping_pct.max():.1f}% of a step, "
             f"all a loop could win;",
             f"`overlap` delivers the first token {ratio.min():.2f}-{ratio.max():.2f}x later than "
             f"`sync`: one step of latency, bought for nothing where nothing overlaps."]
 
 
-def _experiments(chapter: str, gpu: bool, *names: str) -> list[pd.DataFrame] | None:
-    """Each named experiment's rows of a chapter's recorded serving runs on this kind of
-    device, indexed by system (None: no runs recorded there)."""
-    runs = _on(_runs(chapter, "runs"), gpu)
-    if runs.empty:
-        return None
-    return [runs[runs.experiment == name].set_index("system") for name in names]
-
-
 def _ch08(gpu: bool) -> list[str] | None:
-    experiments = _experiments("08", gpu, "target")
+    experiments = experiments_of("08", gpu, "target")
     if experiments is None:
         return None
     t, = experiments
@@ -282,7 +228,7 @@ def _ch08(gpu: bool) -> list[str] | None:
 
 
 def _ch09(gpu: bool) -> list[str] | None:
-    experiments = _experiments("09", gpu, "shared-prefix", "nothing-shared")
+    experiments = experiments_of("09", gpu, "shared-prefix", "nothing-shared")
     if experiments is None:
         return None
     s, n = experiments
@@ -296,12 +242,12 @@ def _ch09(gpu: bool) -> list[str] | None:
 
 
 def _ch10(gpu: bool) -> list[str] | None:
-    runs = _on(_runs("10", "runs"), gpu)
+    runs = on_device(runs_of("10", "runs"), gpu)
     if runs.empty:
         return None
     by_round = runs.pivot_table(index="round", columns="system", values="output_throughput")
     ratio = (by_round.http / by_round.continuous).median()
-    cost = _on(_runs("10", "server-cost"), gpu)
+    cost = on_device(runs_of("10", "server-cost"), gpu)
     own = ("the server's own cost per request: not recorded yet (the chapter's server-cost "
            "recording measures it one request at a time)." if cost.empty else
            analysis.server_cost_sentences(cost)[0].split(": ", 1)[1] + ".")
@@ -314,7 +260,7 @@ CH11_TABLES = ("-compile", "-bf16", "-ablation", "-runs", "-requests", "-steps",
 
 
 def _ch11(gpu: bool) -> list[str] | None:
-    bench = _bench("11", gpu, others=CH11_TABLES)
+    bench = bench_of("11", gpu, others=CH11_TABLES)
     if bench.empty:
         return None
     tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s")
@@ -324,9 +270,9 @@ def _ch11(gpu: bool) -> list[str] | None:
              f"batch {batches}")
     if "vllm" not in tok_s:
         return [first + ";", "vLLM not recorded here (`make peers` installs it)."]
-    target = _experiments("11", gpu, "target")
+    target = experiments_of("11", gpu, "target")
     served = {} if target is None else target[0].output_throughput
-    http = _on(_runs("11", "http"), gpu)
+    http = on_device(runs_of("11", "http"), gpu)
     over_http = http.set_index("server").output_throughput if not http.empty else {}
     line = (f"on chapter 08's workload {served['compiled'] / served['vllm']:.2f}x vLLM's output "
             f"tokens/s in-process" if "vllm" in served else "vLLM's served workload not recorded")
@@ -337,8 +283,8 @@ def _ch11(gpu: bool) -> list[str] | None:
 
 
 def _ch12(gpu: bool) -> list[str] | None:
-    bench = _bench("12", gpu, others=("-allreduce",))
-    reduce = _on(_runs("12", "allreduce"), gpu)
+    bench = bench_of("12", gpu, others=("-allreduce",))
+    reduce = on_device(runs_of("12", "allreduce"), gpu)
     if bench.empty or reduce.empty:
         return None
     tok_s = bench.pivot_table(index="batch_size", columns="engine", values="tok_s").iloc[0]
@@ -361,7 +307,7 @@ def _cpu_devices(chapter: str) -> list[str]:
     names: dict[str, None] = {}
     for number in chapters:
         for path in sorted((RESULTS / f"ch{number}").rglob("*.csv")):
-            df = _on(read_results(path), gpu=False)
+            df = on_device(read_results(path), gpu=False)
             names.update(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
     return list(names)
 
