@@ -6,6 +6,7 @@ import gzip
 import json
 
 import pandas as pd
+import pytest
 
 from miniinfer import ENGINES
 from miniinfer.bench.profiling import load_trace
@@ -294,6 +295,24 @@ def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
             continue  # a GPU row replaced the post's figure
         if key:
             assert POSTS[key].title in text
+
+
+def test_gpu_callouts_quote_the_recorded_gpu_rows():
+    """Chapters 00 and 07 on a GPU: the CUDA graph's % of hf as the GPU's CSV has it, not the
+    CPU's phrasing (a CPU has no graph row at all)."""
+    from miniinfer.book.callouts import callout
+    from miniinfer.book.results import recorded_results
+
+    rows = recorded_results("07")
+    graph = rows[rows.device.str.startswith("cuda") & (rows.engine == "async:cuda-graph")]
+    if graph.empty:
+        pytest.skip("no GPU row recorded for chapter 07")
+    graph = graph.sort_values("batch_size")
+    on_gpu = callout("07").split("On a GPU")[1]
+    assert ", ".join(f"{p:.0f}%" for p in graph.pct_of_hf) + " of hf" in on_gpu
+    largest = graph.pct_of_hf.iloc[-1]
+    assert f"CUDA graph replays them at {largest:.0f}%" in callout("00").split("On a GPU")[1]
+    assert "CPU" not in on_gpu
 
 
 def test_every_notebook_that_quotes_a_reference_post_cites_it():

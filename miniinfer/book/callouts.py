@@ -40,17 +40,32 @@ def _ch00(gpu: bool) -> list[str] | None:
     from .results import stage_results
 
     stages = stage_results()
-    stages = stages[stages.device_name.isin(on_device(recorded_results("01"), gpu).device_name)]
+    names = {name for c in ("01", "02", "03", "04", "06", "07")
+             for name in on_device(recorded_results(c), gpu).get("device_name", ())}
+    stages = stages[stages.device_name.isin(names)] if not stages.empty else stages
     serving = experiments_of("08", gpu, "target")
     prefix = experiments_of("09", gpu, "shared-prefix")
-    if stages.empty or serving is None or prefix is None:
+    if stages.empty or (not gpu and (serving is None or prefix is None)):
         return None
     largest = stages[stages.batch_size == stages.batch_size.max()]
     paged = largest[largest.stage_chapter.between("02", "07")]
+    batch = largest.batch_size.iloc[0]
+    if gpu:
+        graph = paged[paged.engine == "async:cuda-graph"].pct_of_hf
+        eager = paged[paged.engine != "async:cuda-graph"].pct_of_hf
+        first = (f"the eager stages of chapters 02-07 end between {eager.min():.0f}% and "
+                 f"{eager.max():.0f}% of hf at batch {batch}: a step is the host launching its "
+                 f"kernels one op at a time"
+                 + (f"; chapter 07's CUDA graph replays them at {graph.iloc[0]:.0f}%;"
+                    if len(graph) else ";"))
+        if serving is None or prefix is None:
+            return [first, "the serving chapters (08-10) are not recorded on a GPU yet."]
+    else:
+        first = (f"the static-batch stages of chapters 02-07 end between {paged.pct_of_hf.min():.0f}"
+                 f"% and {paged.pct_of_hf.max():.0f}% of hf at batch {batch}: flat, because a CPU "
+                 f"step is its matmuls, not the bookkeeping those chapters remove;")
     target, shared = serving[0].output_throughput, prefix[0].output_throughput
-    return [f"the static-batch stages of chapters 02-07 end between {paged.pct_of_hf.min():.0f}% "
-            f"and {paged.pct_of_hf.max():.0f}% of hf at batch {largest.batch_size.iloc[0]}: flat, "
-            f"because a CPU step is its matmuls, not the bookkeeping those chapters remove;",
+    return [first,
             f"the serving chapters win on any device: continuous batching "
             f"{target['continuous'] / target['hf-cb']:.2f}x transformers' own (chapter 08), prefix "
             f"caching {shared['prefix-cache'] / shared['continuous']:.2f}x continuous's output "
