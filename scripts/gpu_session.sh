@@ -40,8 +40,10 @@ transformers.__version__); p = torch.cuda.get_device_properties(0); print(p)"
           python3 -c "import flash_attn" 2>&1 | tail -1; nproc; free -g; } > "$out/env.txt" 2>&1
         rc=$?; tail -4 "$out/env.txt" ;;
     tests)
-        timeout $(( t < 150 ? t : 150 )) python3 -m pytest -q -p no:cacheprovider -m "not slow" -k "not in_subprocess" \
-            tests/test_kernels.py tests/test_ch07_async.py::test_every_loop_matches_paged_attention_on_gpu \
+        # 52 s on the H200 before test_gpu_equality.py (every stage vs hf) was added.
+        timeout $(( t < 240 ? t : 240 )) python3 -m pytest -q -p no:cacheprovider -m "not slow" \
+            -k "not in_subprocess" tests/test_kernels.py tests/test_gpu_equality.py \
+            tests/test_ch07_async.py::test_every_loop_matches_paged_attention_on_gpu \
             tests/test_ch07_async.py::test_graph_replay_equals_eager_in_bf16 --durations=10 \
             > "$out/tests.txt" 2>&1
         rc=$?; tail -25 "$out/tests.txt" ;;
