@@ -62,7 +62,8 @@ def test_every_row_names_the_instruction_set_it_ran_with():
 def test_device_table_round_trip_and_no_write_unless_stored(tmp_path, monkeypatch):
     path = tmp_path / "devices.csv"
     slug = devices.device_slug(torch.device("cpu"))
-    fake = DeviceSpeed(slug, "a cpu", 12.5, 300.0, 2, "test", "2026-01-01")
+    fake = DeviceSpeed(slug, "a cpu", 12.5, 300.0, 2, "test", "2026-01-01",
+                       devices.device_isa(torch.device("cpu")))
     calls = []
     monkeypatch.setattr(devices, "measure_device", lambda d: calls.append(d) or fake)
     monkeypatch.setattr(devices, "_measured_this_process", {})
@@ -70,15 +71,33 @@ def test_device_table_round_trip_and_no_write_unless_stored(tmp_path, monkeypatc
     assert not path.exists()  # a live run measures but never writes results
     assert device_speed(torch.device("cpu"), path) == fake and len(calls) == 1  # measured once
     device_speed(torch.device("cpu"), path, store=True, remeasure=True)
-    assert read_devices(path) == {slug: fake} and len(calls) == 2
-    other = DeviceSpeed("cuda-x", "x", 3000.0, math.nan, 0, "test", "2026-01-02")
+    assert read_devices(path) == {fake.key: fake} and len(calls) == 2
+    other = DeviceSpeed("cuda-x", "x", 3000.0, math.nan, 0, "test", "2026-01-02", "sm_90")
     write_device(other, path)
     table = read_devices(path)
-    assert table[slug] == fake and table["cuda-x"].bandwidth_gbs == 3000.0
-    assert math.isnan(table["cuda-x"].peak_gflops)
+    assert table[fake.key] == fake and table["cuda-x", "sm_90"].bandwidth_gbs == 3000.0
+    assert math.isnan(table["cuda-x", "sm_90"].peak_gflops)
     # Recorded now: read, not measured again.
     assert device_speed(torch.device("cpu"), path) == fake and len(calls) == 2
     assert list(pd.read_csv(path).columns) == list(devices.DEVICE_FIELDS)
+
+
+def test_a_host_of_the_same_name_with_another_instruction_set_is_another_device(tmp_path,
+                                                                                 monkeypatch):
+    # A Zen 4 (AVX512) and a Zen 3 (AVX2) were both sold here as "AMD EPYC", with 49 and 16 GB/s:
+    # the Zen 3 must not take the Zen 4's floor, and storing its own keeps the other row.
+    path = tmp_path / "devices.csv"
+    cpu = torch.device("cpu")
+    slug, isa = devices.device_slug(cpu), devices.device_isa(cpu)
+    elsewhere = DeviceSpeed(slug, "a cpu", 49.0, 190.0, 2, "test", "2026-01-01", "another-isa")
+    write_device(elsewhere, path)
+    here = DeviceSpeed(slug, "a cpu", 16.0, 100.0, 2, "test", "2026-01-02", isa)
+    calls = []
+    monkeypatch.setattr(devices, "measure_device", lambda d: calls.append(d) or here)
+    monkeypatch.setattr(devices, "_measured_this_process", {})
+    assert device_speed(cpu, path, store=True) == here and len(calls) == 1
+    assert read_devices(path) == {elsewhere.key: elsewhere, here.key: here}
+    assert device_speed(cpu, path) == here and len(calls) == 1
 
 
 def test_decode_floor_has_a_compute_roof(tiny):
@@ -500,7 +519,10 @@ def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
         pytest.skip("no recorded chapter 05 trace")
     traces = {int(p.name.split("-b")[-1].split(".")[0]): load_trace(p) for p in paths}
     ops = recorded_trace_op_times(traces, smollm2.config.num_hidden_layers, prompt_len=64)
-    speed = book.device_table().iloc[0]
+    runs = _recorded_runs("05", "bench")
+    bench = runs[runs.device == "cpu"].iloc[0]  # the traces' host: name and instruction set
+    devices = book.device_table()
+    speed = devices[(devices.name == bench.device_name) & (devices.isa == bench.isa)].iloc[0]
     table = roofline_table(smollm2.config, ops, speed.bandwidth_gbs, speed.peak_gflops)
     top = _recorded_runs("05", "top")
     for b in traces:

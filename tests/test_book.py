@@ -52,6 +52,46 @@ def test_speed_of_light_shares_rescale_to_one_bandwidth(monkeypatch):
     assert table["hf"] == 15.0 and table["naive"] == 15.0 and table["paged-loop"] == 15.0
 
 
+def test_speed_of_light_takes_the_bandwidth_of_the_host_with_the_rows_instruction_set(
+        monkeypatch):
+    # One name, two hosts: a Zen 4 (AVX512, 40 GB/s) and a Zen 3 (AVX2, 10 GB/s). Each run's
+    # share, measured against 20 GB/s, is rescaled to its own host's bandwidth, not the name's.
+    runs = {"01": pd.DataFrame({"device_name": ["AMD EPYC"] * 2, "isa": ["AVX512", "AVX2"],
+                                "model": "m", "dtype": "float32", "engine": "hf",
+                                "batch_size": [1, 8], "pct_of_floor": [30.0, 30.0],
+                                "bandwidth_gbs": [20.0, 20.0]})}
+    devices = pd.DataFrame({"name": ["AMD EPYC"] * 2, "isa": ["AVX512", "AVX2"],
+                            "bandwidth_gbs": [40.0, 10.0]})
+    monkeypatch.setattr("miniinfer.book.results.recorded_results",
+                        lambda chapter: runs.get(chapter, pd.DataFrame()))
+    monkeypatch.setattr("miniinfer.book.results.device_table", lambda: devices)
+    table = speed_of_light_table(("01",))["hf"]
+    assert list(table) == [15.0, 60.0]  # batch 1 (AVX512), batch 8 (AVX2)
+
+
+def test_a_recorded_benchmark_from_another_instruction_set_is_measured_live(tiny, tmp_path,
+                                                                            monkeypatch):
+    from types import SimpleNamespace
+
+    from miniinfer.book import results
+    from miniinfer.core.devices import device_isa, device_slug
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    (tmp_path / "ch06").mkdir()
+    path = tmp_path / "ch06" / f"{device_slug(tiny.device)}.csv"
+    live = pd.DataFrame({"engine": ["hf"], "tok_s": [1.0]})
+    monkeypatch.setattr("miniinfer.bench.offline.run_bench", lambda lm, config, engines: live)
+    full = SimpleNamespace(name="full", bench=SimpleNamespace(chapter="06"))
+    here = {"model": tiny.name, "device_name": "AMD EPYC", "engine": "hf", "tok_s": 2.0}
+    pd.DataFrame([{**here, "isa": "not-" + device_isa(tiny.device)}]).to_csv(path, index=False)
+    df, source = results.this_device_or_live(tiny, full)
+    assert df is live and source == "measured live in this notebook"
+    pd.DataFrame([{**here, "isa": device_isa(tiny.device)}]).to_csv(path, index=False)
+    df, source = results.this_device_or_live(tiny, full)
+    assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by make chapter-06 on this")
+    assert device_isa(tiny.device) in source
+
+
 def test_spread_table_shows_each_engines_range_but_not_hfs():
     rows = [("hf", 100.0, 100.0, 100.0), ("paged-attention", 98.4, 91.6, 106.2)]
     df = pd.DataFrame([{"device_name": "cpu", "model": "m", "dtype": "float32", "batch_size": 8,

@@ -174,7 +174,11 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     device_bandwidth = df.device_name.map(per_run.groupby("device_name").bandwidth_gbs.median())
     table = device_table()
     if not table.empty:
-        recorded = df.device_name.map(table.set_index("name").bandwidth_gbs)
+        # A device is its name and instruction set: one name here was two hosts, 49 and 16 GB/s.
+        isa = df.isa if "isa" in df else pd.Series("", index=df.index)
+        rows = pd.MultiIndex.from_arrays([df.device_name, isa])
+        recorded = pd.Series(table.set_index(["name", "isa"]).bandwidth_gbs.reindex(rows)
+                             .to_numpy(), index=df.index)
         device_bandwidth = recorded.fillna(device_bandwidth)
     compute_bound = (df.floor_bound.eq("compute") if "floor_bound" in df
                      else pd.Series(False, index=df.index))
@@ -188,13 +192,16 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.
     chapter-NN`` has just written for this device is shown as is (re-measuring it would only
     double the wait); otherwise, and when this device has no CSV yet, it is measured now."""
     from ..bench.offline import run_bench
-    from ..core.devices import device_slug
+    from ..core.devices import device_isa, device_slug
 
     path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
-        if df.model.iloc[0] == lm.name:
-            return df, f"recorded by make chapter-{p.bench.chapter} on this device ({path.name})"
+        # The same name with another instruction set is another machine (a Zen 4 and a Zen 3
+        # were both "AMD EPYC" here): its rows are not this device's.
+        if df.model.iloc[0] == lm.name and df.isa.iloc[0] == device_isa(lm.device):
+            return df, (f"recorded by make chapter-{p.bench.chapter} on this device "
+                        f"({df.device_name.iloc[0]}, {df.isa.iloc[0]}; {path.name})")
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 
 

@@ -321,9 +321,12 @@ def recorded_rooflines(config) -> list[DeviceRoofline]:
     for path in sorted(out_dir.glob("*-bench.csv")):
         bench = read_results(path)
         slug = path.name.removesuffix("-bench.csv")
-        if bench.device.iloc[0].startswith("cuda") or slug not in set(speeds.get("slug", [])):
+        # The host is the slug and the instruction set the bench ran with (one name, two hosts).
+        key = slug, bench.isa.iloc[0]
+        known = set(zip(speeds.slug, speeds.isa, strict=True)) if not speeds.empty else set()
+        if bench.device.iloc[0].startswith("cuda") or key not in known:
             continue  # a GPU profile times launches per op, not kernels
-        speed = speeds.set_index("slug").loc[slug]
+        speed = speeds.set_index(["slug", "isa"]).loc[key]
         recorded = out_dir / f"{slug}-roofline.csv"
         if recorded.exists():
             op_ms, source = read_results(recorded), recorded.name

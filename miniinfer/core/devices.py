@@ -126,13 +126,15 @@ def measure_peak_flops(device: torch.device, n: int = 2048, repeats: int = 5) ->
 
 
 DEVICES_CSV = REPO_ROOT / "data" / "results" / "devices.csv"
-DEVICE_FIELDS = ("slug", "name", "bandwidth_gbs", "peak_gflops", "threads", "how_measured",
-                 "date")
+DEVICE_FIELDS = ("slug", "isa", "name", "bandwidth_gbs", "peak_gflops", "threads",
+                 "how_measured", "date")
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceSpeed:
-    """A device's speed of light: what every chapter's decode floor divides by."""
+    """A device's speed of light: what every chapter's decode floor divides by. A device is its
+    slug and its instruction set together: two hosts sold under one name (a Zen 4 and a Zen 3
+    "AMD EPYC" here) differed threefold in bandwidth (49 vs 16 GB/s)."""
 
     slug: str
     name: str
@@ -141,6 +143,11 @@ class DeviceSpeed:
     threads: int
     how_measured: str
     date: str
+    isa: str = ""  # device_isa(): AVX512, AVX2, sm_90, ...
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.slug, self.isa
 
     @property
     def bandwidth(self) -> float:  # bytes/s
@@ -151,15 +158,16 @@ class DeviceSpeed:
         return self.peak_gflops * 1e9
 
 
-def read_devices(path: Path = DEVICES_CSV) -> dict[str, DeviceSpeed]:
-    """The recorded devices by slug (empty when none is recorded yet)."""
+def read_devices(path: Path = DEVICES_CSV) -> dict[tuple[str, str], DeviceSpeed]:
+    """The recorded devices by (slug, isa) (empty when none is recorded yet)."""
     if not Path(path).exists():
         return {}
     with open(path, newline="") as f:
-        return {row["slug"]: DeviceSpeed(row["slug"], row["name"], float(row["bandwidth_gbs"]),
-                                         float(row["peak_gflops"] or "nan"), int(row["threads"]),
-                                         row["how_measured"], row["date"])
-                for row in csv.DictReader(f)}
+        speeds = [DeviceSpeed(row["slug"], row["name"], float(row["bandwidth_gbs"]),
+                              float(row["peak_gflops"] or "nan"), int(row["threads"]),
+                              row["how_measured"], row["date"], row.get("isa") or "")
+                  for row in csv.DictReader(f)]
+    return {speed.key: speed for speed in speeds}
 
 
 def measure_device(device: torch.device) -> DeviceSpeed:
@@ -172,22 +180,22 @@ def measure_device(device: torch.device) -> DeviceSpeed:
            + (f", {threads} threads)" if threads else ")"))
     return DeviceSpeed(device_slug(device), device_name(device), round(bandwidth / 1e9, 2),
                        round(flops / 1e9, 1), threads, how,
-                       dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"))
+                       dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"), device_isa(device))
 
 
 def write_device(speed: DeviceSpeed, path: Path = DEVICES_CSV) -> None:
     """Add or replace ``speed``'s row in the device table."""
-    devices = read_devices(path) | {speed.slug: speed}
+    devices = read_devices(path) | {speed.key: speed}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         writer.writerow(DEVICE_FIELDS)
-        for d in sorted(devices.values(), key=lambda d: d.slug):
+        for d in sorted(devices.values(), key=lambda d: d.key):
             writer.writerow([getattr(d, name) for name in DEVICE_FIELDS])
 
 
 # A device without a row in the table is measured once per process, not once per benchmark.
-_measured_this_process: dict[str, DeviceSpeed] = {}
+_measured_this_process: dict[tuple[str, str], DeviceSpeed] = {}
 
 
 def device_speed(device: torch.device, path: Path = DEVICES_CSV, store: bool = False,
@@ -196,12 +204,12 @@ def device_speed(device: torch.device, path: Path = DEVICES_CSV, store: bool = F
     for it (or ``remeasure``), and then written to the table only when ``store`` (``make
     chapter-NN`` stores; a notebook's live run never writes results). One figure per device
     keeps every chapter's floor on the same line, where a measurement per run moves with the
-    machine's load."""
-    slug = device_slug(device)
-    recorded = read_devices(path).get(slug) or _measured_this_process.get(slug)
+    machine's load. A row for the same name with another instruction set is another machine."""
+    key = device_slug(device), device_isa(device)
+    recorded = read_devices(path).get(key) or _measured_this_process.get(key)
     if recorded is not None and not remeasure:
         return recorded
-    speed = _measured_this_process[slug] = measure_device(device)
+    speed = _measured_this_process[key] = measure_device(device)
     if store:
         write_device(speed, path)
     return speed
