@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+import pandas as pd
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -491,3 +492,5 @@ def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
     bench, timeline = repro.run_chapter07("cpu")
     assert loads == ["tiny"]
     assert bench.is_file() and timeline.is_file()
+    from miniinfer.core.devices import device_isa
+    assert set(pd.read_csv(timeline).isa) == {device_isa(tiny.device)}  # which host drew it

@@ -165,8 +165,8 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
                                    "paged-prealloc/ranges-off": RangesOff(prealloc)},
                       speed=device_speed(dev, store=True))
     print(summary_table(bench).to_string(index=False))
-    meta = bench.iloc[0][["model", "dtype", "device", "device_name", "torch", "transformers",
-                          "git_sha", "date"]].to_dict()
+    meta = bench.iloc[0][["model", "dtype", "device", "device_name", "isa", "torch",
+                          "transformers", "git_sha", "date"]].to_dict()
     written = []
     tables = [("phases", phases), ("ops", prof.ops), ("top", prof.top), ("bench", bench)]
     if roofline is not None:
@@ -220,8 +220,8 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
     path = RESULTS / "ch07" / "timeline" / f"{device_slug(dev)}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "torch",
-                                            "git_sha", "date"]].to_dict()
+    meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "isa",
+                                            "torch", "git_sha", "date"]].to_dict()
     pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")
     return [bench_path, path]
