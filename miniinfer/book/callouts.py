@@ -29,7 +29,13 @@ from .callout_rows import (
 from .gpu_figures import GPU_FIGURES
 from .profiles import host_share
 from .references import POSTS
-from .results import RESULTS, read_results, recorded_context_sweeps, recorded_results
+from .results import (
+    RESULTS,
+    read_results,
+    recorded_context_sweeps,
+    recorded_results,
+    recorded_timelines,
+)
 from .roofline import FAR_BELOW
 
 MARK = "**On a CPU you will see**"
@@ -204,7 +210,7 @@ def _ch06(gpu: bool) -> list[str] | None:
 
 def _ch07(gpu: bool) -> list[str] | None:
     df = on_device(recorded_results("07"), gpu)
-    files = sorted((RESULTS / "ch07" / "timeline").glob("*.csv"))
+    files = recorded_timelines()
     timeline = on_device(pd.concat([read_results(f) for f in files]) if files else pd.DataFrame(), gpu)
     if df.empty or timeline.empty:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 
 from ..core.devices import REPO_ROOT
@@ -145,6 +147,13 @@ def device_table() -> pd.DataFrame:
     return pd.read_csv(DEVICES_CSV) if DEVICES_CSV.exists() else pd.DataFrame()
 
 
+def recorded_timelines() -> list[Path]:
+    """Chapter 07's recorded Gantt bars, one file per device (``ch07/timeline/<device>.csv.gz``;
+    plain ``.csv`` from runs before they were gzipped)."""
+    folder = RESULTS / "ch07" / "timeline"
+    return sorted([*folder.glob("*.csv"), *folder.glob("*.csv.gz")])
+
+
 def recorded_context_sweeps(chapter: str) -> pd.DataFrame:
     """Every device's context-length sweep for a chapter (``chNN/<device>-context.csv``);
     empty until ``make chapter-NN`` has recorded one."""
@@ -240,7 +249,7 @@ def recorded_runs() -> pd.DataFrame:
     commit of the run that wrote it."""
     columns = ["device_name", "isa", "model", "dtype", "torch", "transformers", "git_sha", "date"]
     rows = []
-    for path in sorted(RESULTS.glob("ch*/**/*.csv")):
+    for path in sorted([*RESULTS.glob("ch*/**/*.csv"), *RESULTS.glob("ch*/**/*.csv.gz")]):
         first = read_results(path).iloc[0]
         rows.append({"chapter": path.relative_to(RESULTS).parts[0][2:],
                      "file": str(path.relative_to(RESULTS)),
