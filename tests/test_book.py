@@ -90,6 +90,11 @@ def test_a_recorded_benchmark_from_another_instruction_set_is_measured_live(tiny
     df, source = results.this_device_or_live(tiny, full)
     assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by make chapter-06 on this")
     assert device_isa(tiny.device) in source
+    # Chapter 05's benchmark is <device>-bench.csv: found by its suffix, and only on this host.
+    path.rename(path.with_name(path.stem + "-bench.csv"))
+    assert results.this_device_or_live(tiny, full)[0] is live
+    df, source = results.this_device_or_live(tiny, full, suffix="-bench")
+    assert source.endswith("-bench.csv)") and df.tok_s.iloc[0] == 2.0
 
 
 def test_spread_table_shows_each_engines_range_but_not_hfs():

@@ -196,14 +196,16 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     return tok_s_table(df, "pct_of_floor")
 
 
-def this_device_or_live(lm, p: Preset, engines: dict | None = None) -> tuple[pd.DataFrame, str]:
+def this_device_or_live(lm, p: Preset, engines: dict | None = None,
+                        suffix: str = "") -> tuple[pd.DataFrame, str]:
     """The chapter's benchmark on this machine. With the full preset, the CSV ``make
-    chapter-NN`` has just written for this device is shown as is (re-measuring it would only
-    double the wait); otherwise, and when this device has no CSV yet, it is measured now."""
+    chapter-NN`` has just written for this device (``<device><suffix>.csv``) is shown as is
+    (re-measuring it would only double the wait); otherwise, and when this device has no CSV
+    yet, it is measured now."""
     from ..bench.offline import run_bench
     from ..core.devices import device_isa, device_slug
 
-    path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}.csv"
+    path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
         # The same name with another instruction set is another machine (a Zen 4 and a Zen 3
