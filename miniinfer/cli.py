@@ -454,8 +454,8 @@ def cmd_device(args: argparse.Namespace) -> None:
     from .core.models import resolve_device
 
     speed = device_speed(resolve_device(args.device), store=args.measure, remeasure=args.measure)
-    print(f"{speed.slug} ({speed.isa}): {speed.name}, {speed.bandwidth_gbs} GB/s, {speed.peak_gflops} GFLOP/s "
-          f"({speed.how_measured}; {speed.date})"
+    print(f"{speed.slug} ({speed.isa}): {speed.name}, {speed.bandwidth_gbs} GB/s, "
+          f"{speed.peak_gflops} GFLOP/s ({speed.how_measured}; {speed.date})"
           + (f"; written to {DEVICES_CSV}" if args.measure else ""))
 
 
