@@ -443,6 +443,21 @@ def test_bf16_equality_allows_only_near_ties(tiny_bf16):
         compare_greedy(equality_model(tiny_bf16), [prompt], [[second, 9]], [[best, 10]])
 
 
+def test_a_near_tie_is_counted_in_units_of_the_last_place():
+    from miniinfer.bench.equality import NEAR_TIE_ULPS, ulp
+
+    # bf16 keeps 8 significant bits: its unit is 2**-5 between 4 and 8, 2**-6 between 2 and 4.
+    assert ulp(4.0, torch.bfloat16) == ulp(5.56, torch.bfloat16) == ulp(7.99, torch.bfloat16) == 2**-5
+    assert ulp(3.99, torch.bfloat16) == 2**-6
+    assert ulp(5.56, torch.float16) == 2**-8
+    # The H100's flip (two logits near 5.6, 0.094 apart: 3 units) is a near-tie; 5 units is not.
+    assert 0.09375 <= NEAR_TIE_ULPS * ulp(5.56, torch.bfloat16) < 5 * 2**-5
+    # Next to the representable neighbours themselves:
+    x = torch.tensor(5.56, dtype=torch.bfloat16)
+    assert float(torch.nextafter(x, torch.tensor(8.0, dtype=torch.bfloat16)) - x) == \
+        ulp(float(x), torch.bfloat16)
+
+
 def test_check_engines_runs_fp32_exactly_and_bf16_within_tolerance(tiny_bf16):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     lines = check_engines(tiny_bf16, "paged-attention", [[5, 6, 7], list(range(20, 40))],
