@@ -135,9 +135,20 @@ def test_context_sweep_rows_per_engine_and_length(tiny, monkeypatch):
     one_block = kv_cache.kv_bytes_per_block(tiny.config, tiny.dtype, kv_cache.DEFAULT_BLOCK_SIZE)
     monkeypatch.setattr(kv_cache, "DEFAULT_MEMORY_BYTES", 3 * one_block)
     speed = DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "2026-01-01")
+    # Every plain run comes before the first profiled one (on a GPU, steps after a profiler
+    # session ran slower).
+    from miniinfer.bench import offline, profiling
+
+    calls = []
+    for module, name in ((offline, "run_metrics"), (profiling, "profile_decode")):
+        def logged(*args, _real=getattr(module, name), _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, name, logged)
     df = run_context_sweep(tiny, ("hf", "paged-loop", "paged-attention"),
                            ContextSweep((8, 24), batch_size=2, new_tokens=4, profiled_steps=2),
                            speed, chapter="03")
+    assert calls == ["run_metrics"] * 6 + ["profile_decode"] * 4
     assert len(df) == 6 and set(df.context_len) == {8, 24}
     assert (df.kv_mb_per_step.loc[df.context_len == 24].iloc[0]
             > df.kv_mb_per_step.loc[df.context_len == 8].iloc[0])

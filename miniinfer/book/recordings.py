@@ -82,27 +82,38 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     warm = make_prompts(lm, sweep.batch_size, min(sweep.context_lens))
     for engine in made.values():
         engine.generate(warm, params)
-    rows = []
+    # Every plain run before the first profiled one: on a GPU, steps after a profiler session
+    # in the same process ran slower (the H200's chapter 05 hf step, profiled
+    # first: 23.7 ms at batch 1 against 17.0 in chapters 06 and 07; the H100's first sweep,
+    # profiling between runs: hf 18.8 ms at 128 tokens, then 64-84 ms at 512-4096).
+    measured: dict[int, dict[str, dict]] = {}
+    loads = {}
     for context_len in sweep.context_lens:
         prompts = make_prompts(lm, sweep.batch_size, context_len)
+        with LoadGuard(own_threads(lm)) as loads[context_len]:
+            measured[context_len] = {
+                name: run_metrics(engine.generate(prompts, params), sweep.batch_size,
+                                  sweep.new_tokens) for name, engine in made.items()}
+        loads[context_len].warn(f"context {context_len}")
+    for context_len in sweep.context_lens:
+        prompts = make_prompts(lm, sweep.batch_size, context_len)
+        for name, engine in made.items():
+            if name == "hf":
+                continue
+            trace = profile_decode(engine, prompts, sweep.profiled_steps, warmup_steps=1,
+                                   warm=False)
+            phases = phase_table(trace).set_index("phase").ms_per_step
+            measured[context_len][name] |= {
+                ("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
+                for k, v in phases.items()}
+            measured[context_len][name]["attention_gather_ms"] = attention_gather_ms(trace)
+    rows = []
+    for context_len in sweep.context_lens:
         floor = decode_floor(lm, sweep.batch_size, context_len + sweep.new_tokens // 2,
                              speed.bandwidth, speed.peak_flops)
-        with LoadGuard(own_threads(lm)) as load:
-            measured = {}
-            for name, engine in made.items():
-                result = engine.generate(prompts, params)
-                row = run_metrics(result, sweep.batch_size, sweep.new_tokens)
-                if name != "hf":
-                    trace = profile_decode(engine, prompts, sweep.profiled_steps, warmup_steps=1,
-                                           warm=False)
-                    phases = phase_table(trace).set_index("phase").ms_per_step
-                    row |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
-                            for k, v in phases.items()}
-                    row["attention_gather_ms"] = attention_gather_ms(trace)
-                measured[name] = row
-        load.warn(f"context {context_len}")
-        for name, row in measured.items():
-            hf_step = measured["hf"]["step_ms"] if "hf" in measured else float("nan")
+        load, measured_here = loads[context_len], measured[context_len]
+        hf_step = measured_here["hf"]["step_ms"] if "hf" in measured_here else float("nan")
+        for name, row in measured_here.items():
             rows.append({"chapter": chapter, "engine": name, "model": lm.name,
                          "dtype": dtype_name(lm.dtype),
                          "batch_size": sweep.batch_size, "context_len": context_len,
@@ -132,10 +143,12 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
 
 
 def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
-    """Profile ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median
-    and min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; on a
-    CPU, every op of a decode step timed at the roofline's batch sizes (``-roofline.csv``);
-    then benchmark hf vs paged-prealloc with ranges on and off in one run."""
+    """Benchmark hf vs paged-prealloc with ranges on and off in one run; then profile
+    ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median and
+    min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; on a CPU,
+    every op of a decode step timed at the roofline's batch sizes (``-roofline.csv``). The
+    benchmark comes first because on a GPU steps after a profiler session ran slower (see
+    :func:`run_context_sweep`)."""
     from ..bench.profiling import RangesOff, phase_repeats, profile_stages
     from ..engines import make_engine
     from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
@@ -147,6 +160,13 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     slug = device_slug(dev)
     out_dir = RESULTS / "ch05"
     steps = chapter05_profile_steps(dev)
+    prealloc = make_engine("paged-prealloc", lm)
+    config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
+                     chapter="05")
+    bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
+                                   "paged-prealloc/ranges-off": RangesOff(prealloc)},
+                      speed=device_speed(dev, store=True))
+    print(summary_table(bench).to_string(index=False))
     prof = profile_stages(lm, base.batch_sizes, base.prompt_len, steps, trace_dir=out_dir,
                           trace_prefix=f"{slug}-")
     phases = phase_repeats(lm, "paged-prealloc", base.batch_sizes, base.prompt_len, steps,
@@ -158,13 +178,6 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     # sizes (a CPU's profile only: on a GPU an op's CPU span is its launch, see roofline).
     roofline = (record_op_times(lm, ROOFLINE_BATCHES, base.prompt_len) if dev.type == "cpu"
                 else None)
-    prealloc = make_engine("paged-prealloc", lm)
-    config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
-                     chapter="05")
-    bench = run_bench(lm, config, {"hf": make_engine("hf", lm), "paged-prealloc": prealloc,
-                                   "paged-prealloc/ranges-off": RangesOff(prealloc)},
-                      speed=device_speed(dev, store=True))
-    print(summary_table(bench).to_string(index=False))
     meta = bench.iloc[0][["model", "dtype", "device", "device_name", "isa", "torch",
                           "transformers", "git_sha", "date"]].to_dict()
     written = []
