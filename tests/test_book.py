@@ -336,7 +336,7 @@ def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
 
     for number, (key, _) in GPU_FIGURES.items():
         text = callout(number)
-        if "(recorded)" in text.split("On a GPU")[1]:
+        if "(recorded on " in text.split("On a GPU")[1]:
             continue  # a GPU row replaced the post's figure
         if key:
             assert POSTS[key].title in text
@@ -355,9 +355,34 @@ def test_gpu_callouts_quote_the_recorded_gpu_rows():
     graph = graph.sort_values("batch_size")
     on_gpu = callout("07").split("On a GPU")[1]
     assert ", ".join(f"{p:.0f}%" for p in graph.pct_of_hf) + " of hf" in on_gpu
-    largest = graph.pct_of_hf.iloc[-1]
-    assert f"CUDA graph replays them at {largest:.0f}%" in callout("00").split("On a GPU")[1]
     assert "CPU" not in on_gpu
+    # The overview quotes one GPU, the latest to record the stage chapters: the graph's figure
+    # only where that GPU recorded chapter 07.
+    from miniinfer.book.callout_rows import on_device
+    from miniinfer.book.results import STAGE_CHAPTERS
+
+    stages = on_device(pd.concat([recorded_results(c) for c in STAGE_CHAPTERS]), gpu=True)
+    gpu, = set(stages.device_name)
+    overview = callout("00").split("On a GPU")[1]
+    assert f"(recorded on {gpu})" in overview
+    graph = graph[graph.device_name == gpu]
+    if graph.empty:
+        assert "CUDA graph" not in overview
+    else:
+        assert f"CUDA graph replays them at {graph.pct_of_hf.iloc[-1]:.0f}%" in overview
+
+
+def test_a_gpu_callout_quotes_one_gpu_the_latest_recorded():
+    from miniinfer.book.callout_rows import on_device
+
+    rows = pd.DataFrame({"device": ["cuda:0", "cuda:0", "cuda:0", "cpu"],
+                         "device_name": ["NVIDIA H200", "NVIDIA H100", "NVIDIA H100", "AMD EPYC"],
+                         "date": ["2026-11-26T06:10:00Z", "2026-11-26T13:00:00Z",
+                                  "2026-11-26T12:59:00Z", "2026-11-27T00:00:00Z"],
+                         "pct_of_hf": [95.0, 97.0, 101.0, 100.0]})
+    assert on_device(rows, gpu=True).pct_of_hf.tolist() == [97.0, 101.0]
+    assert on_device(rows.iloc[[0, 3]], gpu=True).device_name.tolist() == ["NVIDIA H200"]
+    assert on_device(rows, gpu=False).device_name.tolist() == ["AMD EPYC"]
 
 
 def test_every_notebook_that_quotes_a_reference_post_cites_it():

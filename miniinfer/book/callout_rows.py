@@ -25,11 +25,20 @@ def bench_of(chapter: str, gpu: bool, others: tuple[str, ...]) -> pd.DataFrame:
 
 
 def on_device(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
-    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``)."""
+    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``). On a GPU,
+    one GPU's rows: the latest recorded where several GPUs recorded the same table, since a
+    phrase over two GPUs' rows (a range of % of hf, say) would describe neither."""
     if df.empty or "device" not in df:
         return df.iloc[0:0] if gpu else df
     cuda = df.device.astype(str).str.startswith("cuda")
-    return df[cuda if gpu else ~cuda]
+    if not gpu:
+        return df[~cuda]
+    df = df[cuda]
+    if "device_name" not in df or df.device_name.nunique() < 2:
+        return df
+    latest = df.groupby("device_name")["date"].max().idxmax() if "date" in df \
+        else max(df.device_name)
+    return df[df.device_name == latest]
 
 
 def pcts(df: pd.DataFrame, engine: str) -> str:

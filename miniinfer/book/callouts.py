@@ -31,6 +31,7 @@ from .profiles import host_share
 from .references import POSTS
 from .results import (
     RESULTS,
+    STAGE_CHAPTERS,
     read_results,
     recorded_context_sweeps,
     recorded_results,
@@ -46,8 +47,9 @@ def _ch00(gpu: bool) -> list[str] | None:
     from .results import stage_results
 
     stages = stage_results()
-    names = {name for c in ("01", "02", "03", "04", "06", "07")
-             for name in on_device(recorded_results(c), gpu).get("device_name", ())}
+    recorded = [f for f in (recorded_results(c) for c in STAGE_CHAPTERS) if not f.empty]
+    names = set(on_device(pd.concat(recorded, ignore_index=True), gpu).get("device_name", ())) \
+        if recorded else set()
     stages = stages[stages.device_name.isin(names)] if not stages.empty else stages
     serving = experiments_of("08", gpu, "target")
     prefix = experiments_of("09", gpu, "shared-prefix")
@@ -59,8 +61,10 @@ def _ch00(gpu: bool) -> list[str] | None:
     if gpu:
         graph = paged[paged.engine == "async:cuda-graph"].pct_of_hf
         eager = paged[paged.engine != "async:cuda-graph"].pct_of_hf
-        first = (f"the eager stages of chapters 02-07 end between {eager.min():.0f}% and "
-                 f"{eager.max():.0f}% of hf at batch {batch}: a step is the host launching its "
+        chapters = paged.stage_chapter
+        first = (f"the eager stages of chapters {chapters.min()}-{chapters.max()} end between "
+                 f"{eager.min():.0f}% and {eager.max():.0f}% of hf at batch {batch}: a step is "
+                 f"the host launching its "
                  f"kernels one op at a time"
                  + (f"; chapter 07's CUDA graph replays them at {graph.iloc[0]:.0f}%;"
                     if len(graph) else ";"))
@@ -322,29 +326,29 @@ CPU_LINES: dict[str, Callable[[bool], list[str] | None]] = {
     "00": _ch00, "01": _ch01, "02": _ch02, "03": _ch03, "04": _ch04, "05": _ch05, "06": _ch06,
     "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "11": _ch11, "12": _ch12}
 
-def _cpu_devices(chapter: str) -> list[str]:
-    """The CPUs a chapter's recordings (every chapter's, for the overview) ran on."""
+def _devices(chapter: str, gpu: bool) -> list[str]:
+    """The CPUs, or the one GPU (:func:`on_device`), that a chapter's recordings (every
+    chapter's, for the overview) ran on."""
     chapters = [chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"]
-    names: dict[str, None] = {}
-    for number in chapters:
-        for path in sorted((RESULTS / f"ch{number}").rglob("*.csv")):
-            df = on_device(read_results(path), gpu=False)
-            names.update(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
-    return list(names)
+    files = [p for number in chapters for p in sorted((RESULTS / f"ch{number}").rglob("*.csv"))]
+    if not files:
+        return []
+    df = on_device(pd.concat([read_results(p) for p in files], ignore_index=True), gpu)
+    return list(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
 
 
 def callout(chapter: str) -> str:
     """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
     cpu = CPU_LINES[chapter](False)
     gpu = CPU_LINES[chapter](True)
-    where = ", ".join(_cpu_devices(chapter)) or "no CPU yet"
+    where = ", ".join(_devices(chapter, gpu=False)) or "no CPU yet"
     lines = [f"> {MARK} (recorded on {where}):"]
     lines += [f"> - {line}" for line in cpu] if cpu else \
         ["> - nothing recorded yet: `make chapter-" + chapter + "` records it;",
          "> - the numbers appear here once it has."]
     lines.append(">")
     if gpu:
-        lines.append("> **On a GPU you will see** (recorded):")
+        lines.append(f"> **On a GPU you will see** (recorded on {', '.join(_devices(chapter, gpu=True))}):")
         lines += [f"> - {line}" for line in gpu]
     else:
         key, figure = GPU_FIGURES[chapter]

@@ -224,8 +224,11 @@ def recorded_devices(chapter: str) -> list[str]:
     return list(names)
 
 
-def stage_results(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
-                  ) -> pd.DataFrame:
+# The chapters whose benchmarks compare engine stages with hf (batch 1, 4, 8).
+STAGE_CHAPTERS = ("01", "02", "03", "04", "06", "07")
+
+
+def stage_results(chapters: tuple[str, ...] = STAGE_CHAPTERS) -> pd.DataFrame:
     """Every stage's % of hf and % of the speed of light per recorded device and batch size,
     one row each: a stage measured in several chapters is taken from its latest chapter's run
     (its % of hf is from that run; its % of the floor is rescaled to one bandwidth per device
