@@ -7,7 +7,8 @@
 #   bash scripts/gpu_session.sh BUDGET_S STEP...     STEP: env, tests, device, NN (a chapter)
 #
 # The machine has its own python3 with torch and triton; what the book needs beyond them travels
-# as wheels in .whl/ and SmolLM2's tokenizer (which the random-weight Qwen uses) in .gpu_cache/.
+# as wheels in .whl/ and SmolLM2's tokenizer (which the random-weight Qwen uses) in .gpu_cache/,
+# both made here by scripts/gpu_carry.sh.
 set -u
 budget=$1; shift
 deadline=$(( $(date +%s) + budget ))
@@ -37,7 +38,12 @@ for step in "$@"; do
           python3 -c "import torch, triton, transformers; print('torch', torch.__version__,
 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers',
 transformers.__version__); p = torch.cuda.get_device_properties(0); print(p)"
-          python3 -c "import flash_attn" 2>&1 | tail -1; nproc; free -g; } > "$out/env.txt" 2>&1
+          python3 -c "import flash_attn" 2>&1 | tail -1
+          # The server (chapter 10) and DuckDB come from the carried wheels: a missing one shows
+          # here, not minutes later in the chapter that needs it.
+          python3 -c "import miniinfer.server, duckdb; print('server and duckdb import')" 2>&1 \
+              | tail -1
+          nproc; free -g; } > "$out/env.txt" 2>&1
         rc=$?; tail -4 "$out/env.txt" ;;
     tests)
         # 52 s on the H200 before test_gpu_equality.py (every stage vs hf) was added.
