@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -359,59 +360,65 @@ def _handle(request_id: int) -> RequestHandle:
                          event_loop=None)
 
 
-def test_an_idle_engine_takes_a_burst_in_one_go():
-    # The loop's own queue, no engine: what an idle loop takes before its first step.
-    window = 0.05
-    loop = EngineLoop(None, None, max_waiting=16, arrival_window_s=window)
+class ArrivalsOnAClock:
+    """The loop's command queue and clock, scripted: each command arrives at a given time, and
+    a ``get`` with a timeout advances the clock to the arrival or by the whole timeout, as a
+    real queue would, so the arrival window's policy is tested without real waiting (a paused
+    machine cannot make it fail)."""
 
-    def burst() -> None:
-        for i in range(6):
-            loop._commands.put(_handle(i))
-            time.sleep(window / 10)
+    def __init__(self, arrivals: list[tuple[float, object]]) -> None:
+        self.arrivals, self.now, self.timeouts = list(arrivals), 0.0, []
 
-    sender = threading.Thread(target=burst)
-    sender.start()
-    taken = loop._wait_for_arrivals()
-    sender.join()
-    assert [h.request_id for h in taken] == list(range(6))
+    def perf_counter(self) -> float:
+        return self.now
 
-
-def test_a_lone_request_waits_one_window_and_no_window_waits_nothing():
-    window = 0.05
-    loop = EngineLoop(None, None, max_waiting=16, arrival_window_s=window)
-    loop._commands.put(_handle(0))
-    start = time.perf_counter()
-    assert len(loop._wait_for_arrivals()) == 1
-    assert window <= time.perf_counter() - start < 10 * window
-    at_once = EngineLoop(None, None, max_waiting=16, arrival_window_s=0.0)
-    for i in range(3):
-        at_once._commands.put(_handle(i))
-    assert len(at_once._wait_for_arrivals()) == 1  # the other two: taken without waiting
-    loop._commands.put(7)  # an abort wakes the loop at once, whatever the window
-    start = time.perf_counter()
-    assert loop._wait_for_arrivals() == [7] and time.perf_counter() - start < window
+    def get(self, timeout: float | None = None):
+        self.timeouts.append(timeout)
+        at, command = self.arrivals[0]
+        if timeout is not None and at > self.now + timeout:
+            self.now += timeout
+            raise queue.Empty
+        self.now = max(self.now, at)
+        return self.arrivals.pop(0)[1]
 
 
-def test_a_steady_stream_is_cut_at_ten_windows():
-    window = 0.02
+def _taken(monkeypatch, window: float, arrivals: list[tuple[float, object]]):
+    from miniinfer.server import engine_loop
+
     loop = EngineLoop(None, None, max_waiting=1000, arrival_window_s=window)
-    stop = threading.Event()
+    script = ArrivalsOnAClock(arrivals + [(math.inf, None)])
+    loop._commands = script
+    monkeypatch.setattr(engine_loop, "time", script)
+    taken = loop._wait_for_arrivals()
+    return [c.request_id if isinstance(c, RequestHandle) else c for c in taken], script
 
-    def stream() -> None:
-        i = 0
-        while not stop.is_set():
-            loop._commands.put(_handle(i))
-            i += 1
-            time.sleep(window / 4)
 
-    sender = threading.Thread(target=stream)
-    sender.start()
-    start = time.perf_counter()
-    loop._wait_for_arrivals()
-    elapsed = time.perf_counter() - start
-    stop.set()
-    sender.join()
-    assert 9 * window <= elapsed < 10 * window + 0.5
+def test_an_idle_engine_takes_a_burst_in_one_go(monkeypatch):
+    # Six requests a tenth of a window apart: all taken before the first step, then one
+    # window without arrivals ends the wait.
+    taken, clock = _taken(monkeypatch, 0.05, [(i * 0.005, _handle(i)) for i in range(6)])
+    assert taken == list(range(6))
+    assert clock.now == pytest.approx(0.025 + 0.05)
+
+
+def test_a_lone_request_waits_one_window_and_no_window_waits_nothing(monkeypatch):
+    taken, clock = _taken(monkeypatch, 0.05, [(0.0, _handle(0))])
+    assert taken == [0] and clock.timeouts == [None, 0.05] and clock.now == 0.05
+    # No window: the first command alone, the others left queued for the next step.
+    taken, clock = _taken(monkeypatch, 0.0, [(0.0, _handle(i)) for i in range(3)])
+    assert taken == [0] and clock.timeouts == [None] and len(clock.arrivals) == 3
+    # An abort wakes the loop at once, whatever the window.
+    taken, clock = _taken(monkeypatch, 0.05, [(0.0, 7), (0.01, _handle(1))])
+    assert taken == [7] and clock.timeouts == [None] and clock.now == 0.0
+
+
+def test_a_steady_stream_is_cut_at_ten_windows(monkeypatch):
+    # A request every quarter window, for ever: the wait ends at ten windows, the requests
+    # that came by then taken, the rest left for the next step.
+    window = 0.02
+    taken, clock = _taken(monkeypatch, window, [(i * window / 4, _handle(i)) for i in range(100)])
+    assert taken == list(range(41)) and clock.now == pytest.approx(10 * window)
+    assert all(t is None or t <= window for t in clock.timeouts)
 
 
 def test_serve_refuses_a_static_engine(capsys):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -32,10 +31,8 @@ def test_smollm2_cache_is_reused(smollm2):
     cache = smollm2_cache()
     weights = cache / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    start = time.perf_counter()
     again = load_model("smollm2-135m")
-    assert time.perf_counter() - start < 15  # a GGUF conversion takes ~20 s; the cache ~1 s
-    assert weights.stat().st_mtime_ns == mtime  # not rewritten
+    assert weights.stat().st_mtime_ns == mtime  # read, not converted from the GGUF again
     for a, b in zip(smollm2.model.parameters(), again.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
