@@ -140,11 +140,15 @@ def test_context_sweep_rows_per_engine_and_length(tiny, monkeypatch):
     from miniinfer.bench import offline, profiling
 
     calls = []
+
+    def logged(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
     for module, name in ((offline, "run_metrics"), (profiling, "profile_decode")):
-        def logged(*args, _real=getattr(module, name), _name=name, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(module, name, logged)
+        monkeypatch.setattr(module, name, logged(name, getattr(module, name)))
     df = run_context_sweep(tiny, ("hf", "paged-loop", "paged-attention"),
                            ContextSweep((8, 24), batch_size=2, new_tokens=4, profiled_steps=2),
                            speed, chapter="03")
