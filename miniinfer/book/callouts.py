@@ -18,6 +18,7 @@ from . import analysis
 from .callout_rows import (
     bench_of,
     device_of,
+    devices_of,
     experiments_of,
     floor_line,
     on_device,
@@ -30,7 +31,6 @@ from .gpu_figures import GPU_FIGURES
 from .profiles import host_share
 from .references import POSTS
 from .results import (
-    RESULTS,
     STAGE_CHAPTERS,
     read_results,
     recorded_context_sweeps,
@@ -326,29 +326,19 @@ CPU_LINES: dict[str, Callable[[bool], list[str] | None]] = {
     "00": _ch00, "01": _ch01, "02": _ch02, "03": _ch03, "04": _ch04, "05": _ch05, "06": _ch06,
     "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "11": _ch11, "12": _ch12}
 
-def _devices(chapter: str, gpu: bool) -> list[str]:
-    """The CPUs, or the one GPU (:func:`on_device`), that a chapter's recordings (every
-    chapter's, for the overview) ran on."""
-    chapters = [chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"]
-    files = [p for number in chapters for p in sorted((RESULTS / f"ch{number}").rglob("*.csv"))]
-    if not files:
-        return []
-    df = on_device(pd.concat([read_results(p) for p in files], ignore_index=True), gpu)
-    return list(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
-
-
 def callout(chapter: str) -> str:
     """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
     cpu = CPU_LINES[chapter](False)
     gpu = CPU_LINES[chapter](True)
-    where = ", ".join(_devices(chapter, gpu=False)) or "no CPU yet"
+    chapters = [chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"]
+    where = ", ".join(devices_of(chapters, gpu=False)) or "no CPU yet"
     lines = [f"> {MARK} (recorded on {where}):"]
     lines += [f"> - {line}" for line in cpu] if cpu else \
         ["> - nothing recorded yet: `make chapter-" + chapter + "` records it;",
          "> - the numbers appear here once it has."]
     lines.append(">")
     if gpu:
-        lines.append(f"> **On a GPU you will see** (recorded on {', '.join(_devices(chapter, gpu=True))}):")
+        lines.append(f"> **On a GPU you will see** (recorded on {', '.join(devices_of(chapters, gpu=True))}):")
         lines += [f"> - {line}" for line in gpu]
     else:
         key, figure = GPU_FIGURES[chapter]

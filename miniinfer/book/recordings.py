@@ -83,9 +83,7 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     for engine in made.values():
         engine.generate(warm, params)
     # Every plain run before the first profiled one: on a GPU, steps after a profiler session
-    # in the same process ran slower (the H200's chapter 05 hf step, profiled
-    # first: 23.7 ms at batch 1 against 17.0 in chapters 06 and 07; the H100's first sweep,
-    # profiling between runs: hf 18.8 ms at 128 tokens, then 64-84 ms at 512-4096).
+    # in the same process ran slower (hf 18.8 ms, then 64-84 ms on the H100; see the README).
     measured: dict[int, dict[str, dict]] = {}
     loads = {}
     for context_len in sweep.context_lens:
@@ -95,25 +93,21 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
                 name: run_metrics(engine.generate(prompts, params), sweep.batch_size,
                                   sweep.new_tokens) for name, engine in made.items()}
         loads[context_len].warn(f"context {context_len}")
-    for context_len in sweep.context_lens:
+    for context_len, row_of in measured.items():
         prompts = make_prompts(lm, sweep.batch_size, context_len)
-        for name, engine in made.items():
-            if name == "hf":
-                continue
-            trace = profile_decode(engine, prompts, sweep.profiled_steps, warmup_steps=1,
+        for name in [name for name in made if name != "hf"]:
+            trace = profile_decode(made[name], prompts, sweep.profiled_steps, warmup_steps=1,
                                    warm=False)
             phases = phase_table(trace).set_index("phase").ms_per_step
-            measured[context_len][name] |= {
-                ("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
-                for k, v in phases.items()}
-            measured[context_len][name]["attention_gather_ms"] = attention_gather_ms(trace)
+            row_of[name] |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
+                             for k, v in phases.items()}
+            row_of[name]["attention_gather_ms"] = attention_gather_ms(trace)
     rows = []
-    for context_len in sweep.context_lens:
+    for context_len, row_of in measured.items():
         floor = decode_floor(lm, sweep.batch_size, context_len + sweep.new_tokens // 2,
                              speed.bandwidth, speed.peak_flops)
-        load, measured_here = loads[context_len], measured[context_len]
-        hf_step = measured_here["hf"]["step_ms"] if "hf" in measured_here else float("nan")
-        for name, row in measured_here.items():
+        hf_step = row_of["hf"]["step_ms"] if "hf" in row_of else float("nan")
+        for name, row in row_of.items():
             rows.append({"chapter": chapter, "engine": name, "model": lm.name,
                          "dtype": dtype_name(lm.dtype),
                          "batch_size": sweep.batch_size, "context_len": context_len,
@@ -122,7 +116,7 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
                          "floor_ms": floor.step_ms, "floor_bound": floor.bound,
                          "kv_mb_per_step": floor.kv_bytes / 2**20,
                          "pct_of_floor": 100 * floor.step_ms / row["step_ms"],
-                         **load.columns(), **meta})
+                         **loads[context_len].columns(), **meta})
     return pd.DataFrame(rows)
 
 
@@ -143,12 +137,11 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
 
 
 def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
-    """Benchmark hf vs paged-prealloc with ranges on and off in one run; then profile
-    ``paged-prealloc`` at batch 1/4/8: its phases over several profiled repeats (median and
-    min-max), its top ops and a trace per batch size, and ``paged-loop``'s op counts; on a CPU,
-    every op of a decode step timed at the roofline's batch sizes (``-roofline.csv``). The
-    benchmark comes first because on a GPU steps after a profiler session ran slower (see
-    :func:`run_context_sweep`)."""
+    """Benchmark hf vs paged-prealloc with ranges on and off in one run (first: see
+    :func:`run_context_sweep`); then profile ``paged-prealloc`` at batch 1/4/8: its phases over
+    several profiled repeats (median and min-max), its top ops and a trace per batch size, and
+    ``paged-loop``'s op counts; on a CPU, every op of a decode step timed at the roofline's
+    batch sizes (``-roofline.csv``)."""
     from ..bench.profiling import RangesOff, phase_repeats, profile_stages
     from ..engines import make_engine
     from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
