@@ -41,15 +41,6 @@ def on_device(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
     return df[df.device_name == latest]
 
 
-def devices_of(chapters: list[str], gpu: bool) -> list[str]:
-    """The CPUs, or the one GPU (:func:`on_device`), that the chapters' recordings ran on."""
-    files = [p for number in chapters for p in sorted((RESULTS / f"ch{number}").rglob("*.csv"))]
-    if not files:
-        return []
-    df = on_device(pd.concat([read_results(p) for p in files], ignore_index=True), gpu)
-    return list(dict.fromkeys(df.get("device_name", pd.Series(dtype=str)).dropna()))
-
-
 def pcts(df: pd.DataFrame, engine: str) -> str:
     rows = df[df.engine == engine].sort_values("batch_size")
     return ", ".join(f"{p:.0f}%" for p in rows.pct_of_hf) + " of hf at batch " + \

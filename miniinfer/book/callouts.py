@@ -18,7 +18,6 @@ from . import analysis
 from .callout_rows import (
     bench_of,
     device_of,
-    devices_of,
     experiments_of,
     floor_line,
     on_device,
@@ -32,9 +31,11 @@ from .profiles import host_share
 from .references import POSTS
 from .results import (
     STAGE_CHAPTERS,
+    device_names,
     read_results,
     recorded_context_sweeps,
     recorded_results,
+    recorded_rows,
     recorded_timelines,
 )
 from .roofline import FAR_BELOW
@@ -330,15 +331,15 @@ def callout(chapter: str) -> str:
     """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
     cpu = CPU_LINES[chapter](False)
     gpu = CPU_LINES[chapter](True)
-    chapters = [chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"]
-    where = ", ".join(devices_of(chapters, gpu=False)) or "no CPU yet"
+    rows = recorded_rows([chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"])
+    where = ", ".join(device_names(on_device(rows, gpu=False))) or "no CPU yet"
     lines = [f"> {MARK} (recorded on {where}):"]
     lines += [f"> - {line}" for line in cpu] if cpu else \
         ["> - nothing recorded yet: `make chapter-" + chapter + "` records it;",
          "> - the numbers appear here once it has."]
     lines.append(">")
     if gpu:
-        lines.append(f"> **On a GPU you will see** (recorded on {', '.join(devices_of(chapters, gpu=True))}):")
+        lines.append(f"> **On a GPU you will see** (recorded on {', '.join(device_names(on_device(rows, gpu=True)))}):")
         lines += [f"> - {line}" for line in gpu]
     else:
         key, figure = GPU_FIGURES[chapter]

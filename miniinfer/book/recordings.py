@@ -86,18 +86,18 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     # in the same process ran slower (hf 18.8 ms, then 64-84 ms on the H100; see the README).
     measured: dict[int, dict[str, dict]] = {}
     loads = {}
+    prompts = {n: make_prompts(lm, sweep.batch_size, n) for n in sweep.context_lens}
     for context_len in sweep.context_lens:
-        prompts = make_prompts(lm, sweep.batch_size, context_len)
         with LoadGuard(own_threads(lm)) as loads[context_len]:
             measured[context_len] = {
-                name: run_metrics(engine.generate(prompts, params), sweep.batch_size,
-                                  sweep.new_tokens) for name, engine in made.items()}
+                name: run_metrics(engine.generate(prompts[context_len], params),
+                                  sweep.batch_size, sweep.new_tokens)
+                for name, engine in made.items()}
         loads[context_len].warn(f"context {context_len}")
     for context_len, row_of in measured.items():
-        prompts = make_prompts(lm, sweep.batch_size, context_len)
         for name in [name for name in made if name != "hf"]:
-            trace = profile_decode(made[name], prompts, sweep.profiled_steps, warmup_steps=1,
-                                   warm=False)
+            trace = profile_decode(made[name], prompts[context_len], sweep.profiled_steps,
+                                   warmup_steps=1, warm=False)
             phases = phase_table(trace).set_index("phase").ms_per_step
             row_of[name] |= {("profiled_step" if k == "decode_step" else k.strip("()")) + "_ms": v
                              for k, v in phases.items()}

@@ -216,12 +216,22 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 
 
+def recorded_rows(chapters: list[str]) -> pd.DataFrame:
+    """Every row of the chapters' recorded CSVs (benchmarks, profiles, serving runs), in one
+    frame (empty where none is recorded)."""
+    files = [p for chapter in chapters for p in sorted((RESULTS / f"ch{chapter}").rglob("*.csv"))]
+    return pd.concat([read_results(p) for p in files], ignore_index=True) if files \
+        else pd.DataFrame()
+
+
+def device_names(rows: pd.DataFrame) -> list[str]:
+    """The device names in ``rows``, in order of first appearance."""
+    return list(dict.fromkeys(rows.get("device_name", pd.Series(dtype=str)).dropna()))
+
+
 def recorded_devices(chapter: str) -> list[str]:
     """Device names with any recorded CSV for a chapter (benchmarks, profiles, serving runs)."""
-    names: dict[str, None] = {}
-    for path in sorted((RESULTS / f"ch{chapter}").rglob("*.csv")):
-        names.update(dict.fromkeys(read_results(path).get("device_name", pd.Series()).dropna()))
-    return list(names)
+    return device_names(recorded_rows([chapter]))
 
 
 # The chapters whose benchmarks compare engine stages with hf (batch 1, 4, 8).
