@@ -16,6 +16,7 @@ from .chapters import CHAPTERS
 from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
 from .workloads import (
     chapter05_profile_steps,
+    context_sweep,
     default_workload,
     prefix_cache_experiments,
     server_cost_workload,
@@ -66,6 +67,8 @@ class DeviceCosts:
     # What the profiler adds per profiled step beyond the tripled step (a GPU step's thousand
     # kernels, each recorded and exported).
     profiled_step_s: float = 0.0
+    # What each serving run costs beyond its tokens (the engine built, warmed and drained).
+    serving_run_s: float = 0.0
 
     def step(self, engine: str, batch_size: int) -> float:
         factor = self.engine_factor.get(engine, self.engine_factor.get(engine.split(":")[0], 1))
@@ -82,18 +85,22 @@ COSTS = {
                        "vllm": 0.5},
         serving_tok_s={"continuous": 114, "prefix-cache": 114, "static-paged-attention": 64,
                        "static-hf": 48, "hf-cb": 67, "compiled": 120, "vllm": 120}),
-    # Measured on one H200 (2026-11-26, Qwen2.5-7B bf16, data/results/ch05-07 and the chapter
-    # 08 log in data/results/logs): every eager stage is bound by the host's kernel launches,
-    # about 18 ms a step whatever the batch (the floor is 3.7 ms); the CUDA-graph loop 6.7-7.1
-    # ms; chapter 08's target workload (128 requests). paged-loop and the load are still guesses.
+    # Measured on one H200 and one H100 (2026-11-26, Qwen2.5-7B bf16, data/results/ch05-09
+    # and the run logs in data/results/logs), each figure the slower GPU's, since a session may
+    # get either: every eager stage is bound by the host's kernel launches, about 18-19 ms a
+    # step whatever the batch (the floor is 3.7-5.2 ms); the CUDA-graph loop 6.7-7.1 ms (H200
+    # only); chapter 08's target workload (128 requests: continuous 2,380 output tok/s on the
+    # H100, 3,190 on the H200). Each serving run of chapter 09's short workloads took 0.5-1 s
+    # more than its tokens at those rates. paged-loop and the load are still guesses.
     "cuda": DeviceCosts(
-        "fitted to one H200 run (chapters 05-08) with Qwen2.5-7B bf16", load_s=15,
-        step_s=0.018, row_s=0.0, prefill_token_s=0.00005,
+        "fitted to an H200 and an H100 run (chapters 05-09) with Qwen2.5-7B bf16", load_s=15,
+        step_s=0.019, row_s=0.0, prefill_token_s=0.00005,
         engine_factor={"paged-loop": 3.0, "paged-vectorized": 1.3, "paged-attention": 1.0,
                        "paged-attention:registry": 1.2, "async:sync": 1.0,
                        "async:overlap": 1.0, "async:cuda-graph": 0.4},
-        serving_tok_s={"continuous": 3190, "prefix-cache": 3190, "static-paged-attention": 301,
-                       "static-hf": 145, "hf-cb": 756, "compiled": 3000, "vllm": 3000},
+        serving_tok_s={"continuous": 2380, "prefix-cache": 2380, "static-paged-attention": 242,
+                       "static-hf": 145, "hf-cb": 756, "compiled": 2380, "vllm": 2380},
+        serving_run_s=1.0,
         profiled_step_s=1.0),  # chapter 05: 132 profiled steps took ~130 s beyond its benchmark
 }
 
@@ -117,6 +124,36 @@ def bench_plan(model: str, device: torch.device, config: BenchConfig) -> Chapter
     return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), config.engines, config.batch_sizes,
                        f"prompt {config.prompt_len} + {config.new_tokens} new",
                        config.repeat, seconds)
+
+
+def sweep_seconds(engines: tuple[str, ...], device: torch.device) -> float:
+    """A chapter's context sweep (recordings.run_context_sweep): a warm-up and a plain run per
+    engine and length, then a profiled run per paged engine and length. (On the H100 chapter
+    06's, 3 paged engines x 5 lengths x 9 profiled steps, took about 130 s.)"""
+    costs, sweep = device_costs(device), context_sweep(device)
+    b = sweep.batch_size
+
+    def run(engine: str, context: int, steps: int) -> float:
+        return costs.prefill_token_s * b * context + steps * costs.step(engine, b)
+
+    warm = sum(run(e, min(sweep.context_lens), sweep.new_tokens) for e in engines)
+    plain = sum(run(e, n, sweep.new_tokens) for e in engines for n in sweep.context_lens)
+    profiled = sum(profile_seconds(device, e, (b,), n, sweep.profiled_steps + 1)
+                   for e in engines if e != "hf" for n in sweep.context_lens)
+    return warm + plain + profiled
+
+
+def bench_chapter_plan(chapter: str, device: torch.device) -> ChapterPlan:
+    """A benchmark chapter: its stages at batch 1, 4 and 8, and its context sweep if any."""
+    model, base = default_workload(device)
+    plan = bench_plan(model, device,
+                      replace(base, engines=CHAPTERS[chapter].engines_for(device.type)))
+    sweep = CHAPTERS[chapter].context_sweep
+    if not sweep:
+        return plan
+    lengths = ",".join(map(str, context_sweep(device).context_lens))
+    return replace(plan, estimate_s=plan.estimate_s + sweep_seconds(sweep, device),
+                   tokens=f"{plan.tokens}; context sweep {lengths}")
 
 
 def profile_seconds(device: torch.device, engine: str, batch_sizes: tuple[int, ...],
@@ -259,11 +296,14 @@ def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device:
         output_tokens = w.num_requests * sum(w.output_len) / 2
         for rate in config.request_rates or (w.request_rate,):
             span = w.num_requests / rate if math.isfinite(rate) else 0.0
+            if w.kind == "multi-turn":  # a conversation's last turn waits for the ones before
+                span += (w.turns - 1) * w.turn_gap_s
             for system in config.systems:
                 budgets = len(config.max_num_batched_tokens) \
                     if system in (*STEPPED_SYSTEMS, "hf-cb") else 1
                 # Arrivals take their span; the work queues behind them (upper bound).
-                seconds += budgets * (span + output_tokens / costs.serving_tok_s[system])
+                seconds += budgets * (span + output_tokens / costs.serving_tok_s[system]
+                                      + costs.serving_run_s)
                 systems += [s for s in (system,) if s not in systems]
     target = experiments[main].workload
     return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), tuple(systems),
@@ -276,12 +316,10 @@ def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device:
 # A chapter's `recording` in the registry -> its plan: (chapter, device) -> ChapterPlan.
 PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "none": lambda chapter, device: ChapterPlan("-", "-", (), (), "none", 0, 0.0),
-    "bench": lambda chapter, device: bench_plan(
-        default_workload(device)[0], device,
-        replace(default_workload(device)[1], engines=CHAPTERS[chapter].engines_for(device.type))),
+    "bench": bench_chapter_plan,
     # The kernel table on a GPU: 3 contexts x 23 calls of well under a millisecond, plus
     # allocating 256 MB of caches for each: seconds, inside the estimate's rounding.
-    "paged": lambda chapter, device: PLANS["bench"](chapter, device),
+    "paged": bench_chapter_plan,
     "profile": lambda chapter, device: chapter05_plan(device),
     "async": lambda chapter, device: chapter07_plan(device),
     "serving": lambda chapter, device: chapter08_plan(device),

@@ -17,8 +17,8 @@ from ..core.models import default_model
 def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
     """Model and benchmark sizes for a chapter run on this device."""
     if device.type == "cuda":
-        # GPU timings are steady: 3 repeats do. 64 new tokens keep the whole `repro all` on one
-        # H100 within 20 minutes (see COSTS and `repro all --dry-run`).
+        # GPU timings are steady: 3 repeats do. 64 new tokens keep every chapter within one
+        # device call (see COSTS and `repro all --dry-run`).
         return default_model(device), BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
                                                   new_tokens=64, warmup=1, repeat=3)
     # A shared CPU drifts by 10-30% within minutes and single paired ratios move by 5-12
@@ -45,7 +45,7 @@ class ContextSweep:
 
 def context_sweep(device: torch.device) -> ContextSweep:
     if device.type == "cuda":
-        return ContextSweep((128, 512, 1024, 2048, 4096), new_tokens=32, profiled_steps=8)
+        return ContextSweep((128, 512, 1024, 2048, 4096), new_tokens=32, profiled_steps=4)
     # About 2-3 minutes per chapter on 2 cores; 2048 would more than double it (prefill).
     return ContextSweep((128, 256, 512, 1024))
 
@@ -119,7 +119,7 @@ def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, Servi
     - ``prefix-len``: 16 requests (64 on a GPU) at once, system prompts of 0 to 1024 tokens.
     """
     gpu = device.type == "cuda"
-    scale = 4 if gpu else 1  # 4x: the whole `repro all` stays within 20 minutes on one H100
+    scale = 4 if gpu else 1  # 4x: the chapter stays within a couple of minutes on one H100
     pair = ("continuous", "prefix-cache")
     shared = WorkloadConfig(num_requests=32 * scale, prompt_len=(16, 64), output_len=(32, 96),
                             kind="shared-prefix", shared_prefix_len=512)
@@ -148,7 +148,7 @@ TENSOR_PARALLEL = 3
 def server_cost_workload(device: torch.device) -> WorkloadConfig:
     """Chapter 10's server-cost measurement: each request alone, in-process and over HTTP;
     enough of them for a p99 (at least 50), with answers short enough that one takes about a
-    second on a CPU (shorter still on a GPU, where the whole repro must fit 20 minutes)."""
+    second on a CPU (shorter still on a GPU, where each chapter must fit one device call)."""
     if device.type == "cuda":
         return WorkloadConfig(num_requests=50, prompt_len=(16, 128), output_len=(2, 6), seed=10)
     return WorkloadConfig(num_requests=60, prompt_len=(16, 256), output_len=(8, 24), seed=10)
