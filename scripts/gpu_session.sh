@@ -6,6 +6,10 @@
 #
 #   bash scripts/gpu_session.sh BUDGET_S STEP...     STEP: env, tests, device, NN (a chapter)
 #
+# The next session, from `repro all --dry-run --device cuda` (fitted to the H100): a first call
+#   bash scripts/gpu_session.sh 540 env tests device 10 07 01 02     (about 7 minutes)
+# then, if the budget allows, `03` (about 3.3 minutes).
+#
 # The machine has its own python3 with torch and triton; what the book needs beyond them travels
 # as wheels in .whl/ and SmolLM2's tokenizer (which the random-weight Qwen uses) in .gpu_cache/,
 # both made here by scripts/gpu_carry.sh.

@@ -76,10 +76,13 @@ class DeviceCosts:
 
 
 COSTS = {
-    # Fitted to the recorded CPU tables (shared 2-core EPYC, SmolLM2 fp32): hf at 21 tok/s at
-    # batch 1 and ~100 at batch 8, prefill ~1.5 ms a token; chapter 08's target run.
+    # Fitted to the recorded CPU tables (shared 2-core EPYC Zen 4, SmolLM2 fp32): hf at 21
+    # tok/s at batch 1 and ~100 at batch 8, prefill ~1.5 ms a token; chapter 08's target run.
+    # A Zen 3 sold under the same name is 2-3x slower: chapter 03's context sweep took 473 s
+    # there against the 245 s planned (hf's batch-8 step 230-440 ms against the Zen 4's 88-121).
     "cpu": DeviceCosts(
-        "estimates fitted to the recorded runs on a 2-core CPU", load_s=5, step_s=0.044,
+        "estimates fitted to the recorded runs on a 2-core Zen 4 CPU; a Zen 3 takes 2-3x",
+        load_s=5, step_s=0.044,
         row_s=0.0045, prefill_token_s=0.0015,
         engine_factor={"paged-loop": 1.25, "paged-vectorized": 1.1, "compiled": 0.45,
                        "vllm": 0.5},
