@@ -74,6 +74,11 @@ class DeviceCosts:
         factor = self.engine_factor.get(engine, self.engine_factor.get(engine.split(":")[0], 1))
         return (self.step_s + self.row_s * batch_size) * factor
 
+    def generate(self, engine: str, batch_size: int, prompt_len: int, new_tokens: int) -> float:
+        """One generate call: the batch's prompts prefilled, then ``new_tokens`` decode steps."""
+        return (self.prefill_token_s * batch_size * prompt_len
+                + new_tokens * self.step(engine, batch_size))
+
 
 COSTS = {
     # Fitted to the recorded CPU tables (shared 2-core EPYC Zen 4, SmolLM2 fp32): hf at 21
@@ -117,8 +122,7 @@ def bench_seconds(config: BenchConfig, device: torch.device,
     """Every engine at every batch size, warm-up runs included."""
     costs = device_costs(device)
     runs = config.warmup + config.repeat
-    return sum(runs * (costs.prefill_token_s * batch * config.prompt_len
-                       + config.new_tokens * costs.step(engine, batch))
+    return sum(runs * costs.generate(engine, batch, config.prompt_len, config.new_tokens)
                for engine in engines or config.engines for batch in config.batch_sizes)
 
 
@@ -135,12 +139,9 @@ def sweep_seconds(engines: tuple[str, ...], device: torch.device) -> float:
     06's, 3 paged engines x 5 lengths x 9 profiled steps, took about 130 s.)"""
     costs, sweep = device_costs(device), context_sweep(device)
     b = sweep.batch_size
-
-    def run(engine: str, context: int, steps: int) -> float:
-        return costs.prefill_token_s * b * context + steps * costs.step(engine, b)
-
-    warm = sum(run(e, min(sweep.context_lens), sweep.new_tokens) for e in engines)
-    plain = sum(run(e, n, sweep.new_tokens) for e in engines for n in sweep.context_lens)
+    warm = sum(costs.generate(e, b, min(sweep.context_lens), sweep.new_tokens) for e in engines)
+    plain = sum(costs.generate(e, b, n, sweep.new_tokens)
+                for e in engines for n in sweep.context_lens)
     profiled = sum(profile_seconds(device, e, (b,), n, sweep.profiled_steps + 1)
                    for e in engines if e != "hf" for n in sweep.context_lens)
     return warm + plain + profiled
@@ -163,7 +164,7 @@ def profile_seconds(device: torch.device, engine: str, batch_sizes: tuple[int, .
                     prompt_len: int, steps: int) -> float:
     """Profiled decode steps; the profiler and the trace export about triple their cost."""
     costs = device_costs(device)
-    return sum(3 * (costs.prefill_token_s * b * prompt_len + steps * costs.step(engine, b))
+    return sum(3 * costs.generate(engine, b, prompt_len, steps)
                + steps * costs.profiled_step_s for b in batch_sizes)
 
 
