@@ -342,7 +342,7 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 static_batch_size=args.static_batch_size,
                                 warmup=not args.no_warmup, chapter=args.chapter,
-                                tensor_parallel=args.tensor_parallel)
+                                tensor_parallel=args.tensor_parallel, repeats=args.repeats)
     if args.tensor_parallel is not None:
         stepped = [s for s in config.systems if s in STEPPED_SYSTEMS]
         if not stepped:
@@ -376,13 +376,18 @@ def cmd_bench_serving(args: argparse.Namespace) -> None:
             from .bench.serving.http import run_http_bench
 
             results = run_http_bench(lm, args.base_url, workload, config.request_rates,
-                                     config.warmup, args.chapter)
+                                     config.warmup, args.chapter, config.repeats)
         else:
             results = run_serving_bench(lm, config)
     except KeyboardInterrupt as exc:
         raise _interrupted(exc, out, lambda r: print(summary_table(r.runs).to_string(index=False)),
                            write) from None
     print(summary_table(results.runs).to_string(index=False))
+    if config.repeats > 1:
+        from .bench.serving.metrics import median_of_repeats
+
+        print(f"medians of {config.repeats} rounds:")
+        print(summary_table(median_of_repeats(results.runs)).to_string(index=False))
     if out is not None:
         write(results)
         print(f"wrote {out} (+ -requests, -steps)")
@@ -532,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--static-batch-size", type=int, default=8)
     serving.add_argument("--seed", type=int, default=0)
     serving.add_argument("--no-warmup", action="store_true")
+    serving.add_argument("--repeats", type=int, default=1,
+                         help="rounds of every run, taken in turn (each run's row says its "
+                              "round; compare systems by the medians)")
     serving.add_argument("--chapter", default="08", help="chapter tag written into the CSV")
     serving.add_argument("--base-url", help="send the workload over HTTP to a running server "
                          "(python -m miniinfer serve), e.g. http://127.0.0.1:8000/v1; "

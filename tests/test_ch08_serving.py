@@ -16,10 +16,13 @@ from miniinfer.bench.serving import (
     ServedRequest,
     ServingBenchConfig,
     ServingRun,
+    Systems,
     WorkloadConfig,
     default_pool_bytes,
     make_workload,
+    median_of_repeats,
     request_table,
+    run_serving_bench,
     serve_continuous,
     serve_hf_cb,
     serve_static,
@@ -129,6 +132,58 @@ def test_three_systems_serve_the_same_requests_with_the_same_tokens(tiny):
     assert fed == sum(len(w.prompt_ids) + w.max_new_tokens - 1 for w in workload)
 
 
+def test_repeated_runs_take_turns_and_each_engine_is_built_once(tiny, monkeypatch):
+    """With repeats, the plan runs in rounds (each system in turn, not each system's runs back
+    to back, so that a slow minute falls on both), and every engine is kept for its next round;
+    without, each engine is let go before the next is built (one KV pool at a time)."""
+    built: list[tuple[str, int]] = []  # (system, engines alive when it was built)
+    real_build = Systems._build
+
+    def counting_build(self, system, budget):
+        built.append((system, len(self.engines)))
+        return real_build(self, system, budget)
+
+    monkeypatch.setattr(Systems, "_build", counting_build)
+    config = ServingBenchConfig(
+        systems=("continuous", "static-naive"), max_num_batched_tokens=(16,), warmup=False,
+        workload=WorkloadConfig(num_requests=3, prompt_len=(2, 8), output_len=(1, 4), seed=2),
+        repeats=3)
+    results = run_serving_bench(tiny, config, progress=False)
+    assert results.runs.system.tolist() == ["continuous", "static-naive"] * 3
+    assert results.runs.repeat.tolist() == [0, 0, 1, 1, 2, 2]
+    assert built == [("continuous", 0), ("static-naive", 1)]
+    assert sorted(results.requests.groupby(["system", "repeat"]).size()) == [3] * 6
+    assert set(results.steps.repeat) == {0, 1, 2}  # the continuous engine's steps, each round
+    medians = median_of_repeats(results.runs)
+    assert medians.system.tolist() == ["continuous", "static-naive"]
+    assert medians.runs.tolist() == [3, 3] and "repeat" not in medians
+    assert (medians.output_throughput_min <= medians.output_throughput).all()
+    assert (medians.output_throughput <= medians.output_throughput_max).all()
+
+    built.clear()
+    run_serving_bench(tiny, replace(config, repeats=1), progress=False)
+    assert built == [("continuous", 0), ("static-naive", 0)]
+
+
+def test_median_of_repeats_groups_a_run_by_what_tells_runs_apart():
+    runs = pd.DataFrame({
+        "system": ["b", "a", "b", "a", "b", "a", "a"],
+        "max_num_batched_tokens": [math.nan] * 6 + [64],  # a static system has no budget
+        "repeat": [0, 0, 1, 1, 2, 2, 0],
+        "output_throughput": [10.0, 4.0, 30.0, 5.0, 20.0, 9.0, 7.0],
+        "ttft_p99_ms": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+        "date": ["d0", "d0", "d1", "d1", "d2", "d2", "d0"]})
+    medians = median_of_repeats(runs)
+    assert medians.system.tolist() == ["b", "a", "a"]  # in the order first met
+    assert medians.runs.tolist() == [3, 3, 1]
+    assert medians.output_throughput.tolist() == [20.0, 5.0, 7.0]
+    assert medians.output_throughput_min.tolist() == [10.0, 4.0, 7.0]
+    assert medians.output_throughput_max.tolist() == [30.0, 9.0, 7.0]
+    assert medians.ttft_p99_ms.tolist() == [3.0, 4.0, 7.0] and medians.date.tolist()[0] == "d0"
+    single = runs[runs.repeat == 0].drop(columns="repeat")
+    assert median_of_repeats(single).output_throughput.tolist() == [10.0, 4.0, 7.0]
+
+
 def test_a_recording_in_another_dtype_writes_its_tables_in_their_own_folder(tmp_path,
                                                                            monkeypatch):
     monkeypatch.setattr(serving_records, "RESULTS", tmp_path)
@@ -197,6 +252,7 @@ def test_cli_bench_serving_writes_tidy_csvs(tmp_path):
     (["--prompt-len", "9"], "expected a range LOW,HIGH"),
     (["--request-rates", "0"], "request_rate must be > 0"),
     (["--dataset", "/nonexistent.jsonl"], "does not exist"),
+    (["--repeats", "0"], "repeats must be >= 1, got 0"),
 ])
 def test_cli_bench_serving_user_errors(args, message, capsys):
     assert main(["bench-serving", "--model", "tiny", "--num-requests", "2", *args]) == 2

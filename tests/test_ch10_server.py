@@ -455,10 +455,13 @@ def test_cli_bench_serving_over_http_writes_chapter_08_tables(server, tmp_path):
     out = tmp_path / "http.csv"
     assert main(["bench-serving", "--model", "tiny", "--device", "cpu", "--base-url",
                  server.base_url, "--num-requests", "4", "--prompt-len", "4,16",
-                 "--output-len", "2,4", "--no-warmup", "--chapter", "10", "--out", str(out)]) == 0
+                 "--output-len", "2,4", "--no-warmup", "--chapter", "10", "--repeats", "2",
+                 "--out", str(out)]) == 0
     runs = pd.read_csv(out)
     requests = pd.read_csv(tmp_path / "http-requests.csv")
-    assert runs.system.tolist() == ["http"] and runs.num_requests[0] == 4
+    assert runs.system.tolist() == ["http"] * 2 and runs.repeat.tolist() == [0, 1]
+    assert (runs.num_requests == 4).all() and len(requests) == 8
+    assert sorted(requests.groupby("repeat").request.apply(list).tolist()) == [[0, 1, 2, 3]] * 2
     assert requests.output_len.between(2, 4).all() and (requests.ttft_ms > 0).all()
     # a server that serves another model is refused before anything is sent
     with pytest.raises(InvalidRequestError, match="serves tiny, not smollm2-135m"):

@@ -539,3 +539,23 @@ def test_the_plan_counts_context_sweeps_and_turn_gaps():
     gaps = serving_plan(model, {"m": multi}, cuda, "m").estimate_s \
         - serving_plan(model, {"m": no_gap}, cuda, "m").estimate_s
     assert gaps == pytest.approx(runs * 3 * 5.0)
+
+
+def test_the_plan_counts_each_round_of_a_repeated_run(monkeypatch):
+    from dataclasses import replace
+
+    from miniinfer.book import catching
+    from miniinfer.book.plans import chapter11_plan, device_costs, serving_plan
+    from miniinfer.book.workloads import serving_experiments
+
+    cpu = torch.device("cpu")  # planning only
+    model, experiments = serving_experiments(cpu)
+    once = experiments["target"]
+    load_s = device_costs(cpu).load_s
+    one, three = (serving_plan(model, {"t": replace(once, repeats=n)}, cpu, "t").estimate_s
+                  for n in (1, 3))
+    assert three - load_s == pytest.approx(3 * (one - load_s))
+    # Chapter 11 repeats the target workload in-process and over HTTP, ours and vLLM's.
+    rounds = chapter11_plan(cpu).estimate_s
+    monkeypatch.setattr(catching, "SERVED_REPEATS", 1)
+    assert rounds > chapter11_plan(cpu).estimate_s + 2 * (one - load_s)

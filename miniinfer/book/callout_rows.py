@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from ..bench.serving.metrics import median_of_repeats
 from . import analysis
 from .results import RESULTS, read_results
 
@@ -77,8 +78,9 @@ def device_of(df: pd.DataFrame) -> str:
 
 def experiments_of(chapter: str, gpu: bool, *names: str) -> list[pd.DataFrame] | None:
     """Each named experiment's rows of a chapter's recorded serving runs on this kind of
-    device, indexed by system (None: no runs recorded there)."""
+    device, indexed by system, a repeated run's medians (None: no runs recorded there)."""
     runs = on_device(runs_of(chapter, "runs"), gpu)
     if runs.empty:
         return None
-    return [runs[runs.experiment == name].set_index("system") for name in names]
+    return [median_of_repeats(runs[runs.experiment == name]).set_index("system")
+            for name in names]

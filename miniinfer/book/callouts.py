@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pandas as pd
 
+from ..bench.serving.metrics import median_of_repeats
 from . import analysis
 from .callout_rows import (
     bench_of,
@@ -299,7 +300,8 @@ def _ch11(gpu: bool) -> list[str] | None:
     target = experiments_of("11", gpu, "target")
     served = {} if target is None else target[0].output_throughput
     http = on_device(runs_of("11", "http"), gpu)
-    over_http = http.set_index("server").output_throughput if not http.empty else {}
+    over_http = median_of_repeats(http, by="server").set_index("server").output_throughput \
+        if not http.empty else {}
     line = (f"on chapter 08's workload {served['compiled'] / served['vllm']:.2f}x vLLM's output "
             f"tokens/s in-process" if "vllm" in served else "vLLM's served workload not recorded")
     line += (f", {over_http['compiled'] / over_http['vllm']:.2f}x `vllm serve`'s over HTTP."

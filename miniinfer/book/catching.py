@@ -13,10 +13,11 @@ Each table's rows come from one run, so that its ratios compare like with like:
   eager forward and on the compiled one with its fixes added one at a time;
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
   ``target`` experiment with ``continuous`` on the eager forward and on the compiled one
-  (``compiled``) and vLLM's offline ``LLM.generate``; the ``budget`` experiment, ``compiled``
-  and vLLM at each of chapter 08's token budgets (the throughput-latency curve);
+  (``compiled``) and vLLM's offline ``LLM.generate``, in :data:`SERVED_REPEATS` rounds of the
+  three in turn; the ``budget`` experiment, ``compiled`` and vLLM at each of chapter 08's
+  token budgets, once (the throughput-latency curve);
 - the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
-  10 does: ``serve --engine compiled`` and ``vllm serve``, one row each;
+  10 does: ``serve --engine compiled`` and ``vllm serve``, one row per server and round;
 - the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
   where each engine's time goes, op by op.
 
@@ -53,6 +54,10 @@ if TYPE_CHECKING:  # imported when used: loading inductor costs seconds
     from ..runner.compiled import CompileOptions
 
 BATCH_SIZES = (1, 8)  # the issue's rows: one request alone, and a batch
+# Rounds of the target workload, in-process (each system in turn) and over HTTP: the target is
+# a ratio near 1, and one system's runs of it spread by up to a third on a shared 2-core machine
+# (ServingBenchConfig says where that was seen).
+SERVED_REPEATS = 3
 # Our compiled server compiles (or loads from inductor's cache) a graph per bucket before its
 # port answers: 3-4 minutes from a warm cache on 2 cores, over 10 from a cold one.
 SERVER_START_S = 1800.0
@@ -196,13 +201,13 @@ def record_bf16(bf16: LoadedModel, peer: bool) -> Path:
 
 
 def served_experiments(dev: torch.device, peer: bool) -> dict[str, ServingBenchConfig]:
-    """Chapter 08's ``target`` workload with ``continuous``, ``compiled`` and vLLM, and its
-    ``budget`` sweep with ``compiled`` and vLLM (each budget one point of the wde post's
-    throughput-latency curve)."""
+    """Chapter 08's ``target`` workload with ``continuous``, ``compiled`` and vLLM, in
+    :data:`SERVED_REPEATS` rounds, and its ``budget`` sweep with ``compiled`` and vLLM, once
+    (each budget one point of the wde post's throughput-latency curve)."""
     _, experiments = serving_experiments(dev)
     vllm = (VLLM,) if peer else ()
     return {"target": replace(experiments["target"], systems=("continuous", "compiled", *vllm),
-                              chapter="11"),
+                              chapter="11", repeats=SERVED_REPEATS),
             "budget": replace(experiments["budget"], systems=("compiled", *vllm),
                               chapter="11")}
 
@@ -227,8 +232,8 @@ def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool,
                 subdir: str = "") -> Path:
     """The target workload over HTTP, measured at the client (chapter 10's ``bench-serving
     --base-url``): our server on the compiled stage, then (``with_peer``) ``vllm serve``, each
-    with the target's token budget and ``lm``'s dtype -> ``[<subdir>/]<device>-http.csv``, one
-    row per server. vLLM serves SmolLM2 from its directory, so with another model only ours is
+    with the target's token budget and ``lm``'s dtype, the target's rounds against each ->
+    ``[<subdir>/]<device>-http.csv``, one row per server and round. vLLM serves SmolLM2 from its directory, so with another model only ours is
     recorded."""
     from ..bench.peers.vllm_server import start_vllm_server
     from ..server import ServerProcess
@@ -238,16 +243,18 @@ def record_http(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool,
     runs = []
     with ServerProcess(lm.name, "--engine", "compiled", "--dtype", dtype,
                        "--max-num-batched-tokens", str(budget), timeout=SERVER_START_S) as ours:
-        runs.append(run_http_bench(lm, ours.base_url, target.workload, chapter="11")
+        runs.append(run_http_bench(lm, ours.base_url, target.workload, chapter="11",
+                                   repeats=target.repeats)
                     .runs.assign(server="compiled", peer_version=""))
     if with_peer and lm.name == "smollm2-135m":
         with start_vllm_server(smollm2_cache(), lm.name, port=free_port(), dtype=dtype,
                                max_num_batched_tokens=budget) as vllm_serve:
-            runs.append(run_http_bench(lm, vllm_serve.base_url, target.workload, chapter="11")
+            runs.append(run_http_bench(lm, vllm_serve.base_url, target.workload, chapter="11",
+                                       repeats=target.repeats)
                         .runs.assign(server=VLLM, peer_version=vllm_serve.version))
     table = pd.concat(runs, ignore_index=True).assign(max_num_batched_tokens=budget)
-    print(table[["server", "output_throughput", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms"]]
-          .to_string(index=False))
+    print(table[["server", "repeat", "output_throughput", "ttft_p50_ms", "itl_p50_ms",
+                 "itl_p99_ms"]].to_string(index=False))
     path = _path(lm.device, "-http", subdir)
     table.to_csv(path, index=False)
     return _wrote(path)[0]

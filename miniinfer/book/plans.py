@@ -234,7 +234,7 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     bf16 with ``compiled`` and vLLM), its budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
     compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
     or not the peer is installed: an upper bound), with the start-ups."""
-    from .catching import BATCH_SIZES
+    from .catching import BATCH_SIZES, SERVED_REPEATS
 
     model, base = default_workload(device)
     if device.type == "cuda":  # book.catching.run_chapter11 records on a CPU only for now
@@ -242,14 +242,15 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     config = replace(base, engines=CHAPTERS["11"].engines_for(device.type),
                      batch_sizes=BATCH_SIZES)
     experiments = serving_experiments(device)[1]
-    target, budget = experiments["target"], experiments["budget"]
+    target = replace(experiments["target"], repeats=SERVED_REPEATS)
+    budget = experiments["budget"]
     ours = serving_plan(model, {"target": replace(target, systems=("continuous", "compiled")),
                                 "budget": replace(budget, systems=("compiled",))},
                         device, "target").estimate_s
     # The peer's runs are counted by hand (a config naming vllm needs the peer installed):
-    # the target workload in-process (in fp32 and in bf16), over HTTP and profiled (two runs),
-    # and one run per budget, each in a vLLM of its own; our server's run over HTTP and our profile's two
-    # runs are three more target runs.
+    # the target workload in-process (in fp32 and in bf16) and over HTTP, each SERVED_REPEATS
+    # times, profiled (two runs), and one run per budget, each in a vLLM of its own; our
+    # server's runs over HTTP and our profile's two runs are more target runs.
     tok_s = device_costs(device).serving_tok_s["vllm"]
     target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
     budget_s = budget.workload.num_requests * sum(budget.workload.output_len) / 2 / tok_s
@@ -265,10 +266,10 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
                                device, "target").estimate_s
     seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
                + bench_plan(model, device, bf16).estimate_s + COMPILE_S / 4
-               + bf16_served + COMPILE_S / 2 + VLLM_START_S + target_s
-               + COMPILE_S / 4 + VLLM_START_S + 2 * target_s
+               + bf16_served + COMPILE_S / 2 + VLLM_START_S + SERVED_REPEATS * target_s
+               + COMPILE_S / 4 + VLLM_START_S + 2 * SERVED_REPEATS * target_s
                + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
-               + (vllm_starts + 1) * VLLM_START_S / 2 + 7 * target_s
+               + (vllm_starts + 1) * VLLM_START_S / 2 + (3 * SERVED_REPEATS + 4) * target_s
                + len(budget.max_num_batched_tokens) * budget_s)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
@@ -306,8 +307,8 @@ def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device:
                 budgets = len(config.max_num_batched_tokens) \
                     if system in (*STEPPED_SYSTEMS, "hf-cb") else 1
                 # Arrivals take their span; the work queues behind them (upper bound).
-                seconds += budgets * (span + output_tokens / costs.serving_tok_s[system]
-                                      + costs.serving_run_s)
+                seconds += config.repeats * budgets * (
+                    span + output_tokens / costs.serving_tok_s[system] + costs.serving_run_s)
                 systems += [s for s in (system,) if s not in systems]
     target = experiments[main].workload
     return ChapterPlan(model, dtype_name(MODELS[model].default_dtype), tuple(systems),

@@ -23,7 +23,14 @@ and the benchmark that runs them (``benchmark``).
 
 
 from .benchmark import ServingBenchConfig, ServingResults, run_serving_bench, summary_table
-from .metrics import LATENCIES, PERCENTILES, request_table, step_table, summarize
+from .metrics import (
+    LATENCIES,
+    PERCENTILES,
+    median_of_repeats,
+    request_table,
+    step_table,
+    summarize,
+)
 from .systems import (
     HF_CB_BLOCK_SIZE,
     STATIC_PREFIX,
@@ -49,7 +56,8 @@ __all__ = [
     "HF_CB_BLOCK_SIZE", "LATENCIES", "PERCENTILES", "STATIC_PREFIX", "STEPPED_SYSTEMS",
     "WORKLOAD_KINDS", "ServedRequest",
     "ServingBenchConfig", "ServingResults", "ServingRun", "Systems", "WorkloadConfig",
-    "WorkloadRequest", "check_system", "default_pool_bytes", "make_workload", "read_dataset",
+    "WorkloadRequest", "check_system", "default_pool_bytes", "make_workload", "median_of_repeats",
+    "read_dataset",
     "request_table", "run_serving_bench", "serve_continuous", "serve_hf_cb", "serve_static",
     "step_table", "summarize", "summary_table",
 ]

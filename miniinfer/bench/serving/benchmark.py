@@ -1,5 +1,6 @@
 """The serving benchmark: every system serves the same seeded workload, one run per system,
-request rate and token budget, into three tidy tables (runs, requests, steps)."""
+request rate and token budget (``repeats`` rounds of them), into three tidy tables (runs,
+requests, steps)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,11 @@ class ServingBenchConfig:
     """Every system in ``systems`` serves the workload at every rate in ``request_rates``
     (none: the workload's own rate); ``continuous``, ``prefix-cache`` and ``hf-cb`` once per
     token budget in
-    ``max_num_batched_tokens``."""
+    ``max_num_batched_tokens``. With ``repeats`` above 1 the whole plan runs that many rounds,
+    one after another, each system's engine kept between them: on a shared 2-core machine one
+    system's runs of chapter 08's target workload took from 26.0 to 34.2 s over two
+    recordings (our compiled stage on a Zen 3), so two systems are compared by the medians of
+    runs taken in turn (:func:`~.metrics.median_of_repeats`), not by one run each."""
 
     workload: WorkloadConfig = WorkloadConfig()
     systems: tuple[str, ...] = ("continuous", "static-paged-attention", "hf-cb")
@@ -45,10 +50,13 @@ class ServingBenchConfig:
     warmup: bool = True
     chapter: str = "08"
     tensor_parallel: int | None = None  # the stepped systems' runners (None: their default)
+    repeats: int = 1  # rounds of the whole plan; each run's row says its round (``repeat``)
 
     def __post_init__(self) -> None:
         if not self.systems or not self.max_num_batched_tokens:
             raise InvalidRequestError("need at least one system and one token budget")
+        if self.repeats < 1:
+            raise InvalidRequestError(f"repeats must be >= 1, got {self.repeats}")
         for system in self.systems:
             check_system(system)
         for rate in self.request_rates:
@@ -122,13 +130,17 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
                  for rate in rates}
     for workload in workloads.values():
         check_workload(lm, workload)
-    plan = [(rate, system, budget) for system in config.systems
+    plan = [(repeat, rate, system, budget) for repeat in range(config.repeats)
+            for system in config.systems
             for budget in (budgets if system in (*STEPPED_SYSTEMS, "hf-cb", VLLM) else [0])
             for rate in rates]
     small = config.workload.turns if config.workload.kind == "multi-turn" else 4
     warmup = [replace(w, max_new_tokens=4, arrival_s=0.0) for w in make_workload(
         lm, replace(config.workload, num_requests=small, request_rate=math.inf))]
-    systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size, config.tensor_parallel)
+    # Over several rounds every engine is kept (rebuilding a compiled one, or starting the
+    # peer, costs minutes); over one, each goes before the next is built.
+    systems = Systems(lm, config.kv_cache_bytes, config.static_batch_size, config.tensor_parallel,
+                      keep_engines=config.repeats > 1)
     runs, requests, steps = [], [], []
     # Every system serves from a worker thread, because transformers' continuous batching
     # always runs its loop in one, and a comparison must not hinge on which thread steps a
@@ -143,7 +155,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
         # The last engine is let go in the worker thread that built it (a tensor-parallel
         # runner's processes are tied to that thread).
         executor_close = executor.submit
-        for rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
+        for repeat, rate, system, budget in tqdm(plan, desc="bench-serving", disable=not progress,
                                          leave=False):
             release_openmp_threads()
             if config.warmup:
@@ -152,7 +164,7 @@ def run_serving_bench(lm: LoadedModel, config: ServingBenchConfig,
                 run = worker.run(systems.serve, system, budget or budgets[0], workloads[rate])
             load.warn(f"{system} at {rate} req/s")
             run_tags = {**tags, "system": system, "request_rate": rate,
-                        "max_num_batched_tokens": budget or math.nan}
+                        "max_num_batched_tokens": budget or math.nan, "repeat": repeat}
             runs.append({**run_tags, **summarize(run), **load.columns(),
                          "peer_version": run.peer_version})
             requests.append(request_table(run, workloads[rate]).assign(**run_tags))
@@ -181,7 +193,8 @@ def _results(config: ServingBenchConfig, meta: dict[str, str | int], runs: list[
 
 def summary_table(runs: pd.DataFrame) -> pd.DataFrame:
     """The compact view printed after a run."""
-    cols = ["system", "request_rate", "max_num_batched_tokens", "output_throughput",
+    cols = ["system", *(["repeat"] if runs.get("repeat", pd.Series([0])).nunique() > 1 else []),
+            "request_rate", "max_num_batched_tokens", "output_throughput",
             "request_throughput", "ttft_p50_ms", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_ms",
             "prefix_cache_hit_rate"]
     return runs[cols].round(2).reset_index(drop=True)

@@ -90,24 +90,28 @@ def serve_http(base_url: str, model: str, workload: Sequence[WorkloadRequest]) -
 
 def run_http_bench(lm: LoadedModel, base_url: str, workload: WorkloadConfig,
                    request_rates: Sequence[float] = (), warmup: bool = True,
-                   chapter: str = "10") -> ServingResults:
+                   chapter: str = "10", repeats: int = 1) -> ServingResults:
     """bench-serving's HTTP mode: one run per request rate (none: the workload's own), each
-    after a short warm-up; returns chapter 08's tables (system ``http``; no steps: the client
-    does not see them).
+    after a short warm-up, ``repeats`` rounds of them; returns chapter 08's tables (system
+    ``http``; no steps: the client does not see them).
     ``lm`` gives the tokenizer and vocabulary the seeded workload is drawn from; it must be
     the model the server serves."""
     meta = run_metadata(lm.device)
     tags = {"chapter": chapter, "model": lm.name, "dtype": dtype_name(lm.dtype),
             "system": HTTP_SYSTEM, "max_num_batched_tokens": math.nan}
     runs, requests = [], []
-    for rate in request_rates or (workload.request_rate,):
+    if repeats < 1:
+        raise InvalidRequestError(f"repeats must be >= 1, got {repeats}")
+    plan = [(repeat, rate) for repeat in range(repeats)
+            for rate in request_rates or (workload.request_rate,)]
+    for repeat, rate in plan:
         if warmup:
             serve_http(base_url, lm.name, [replace(w, max_new_tokens=4) for w in make_workload(
                 lm, replace(workload, num_requests=4, request_rate=math.inf))])
         run = serve_http(base_url, lm.name, make_workload(lm, replace(workload,
                                                                       request_rate=rate)))
-        runs.append({**tags, "request_rate": rate, **summarize(run)})
-        requests.append(request_table(run).assign(**tags, request_rate=rate))
+        runs.append({**tags, "request_rate": rate, "repeat": repeat, **summarize(run)})
+        requests.append(request_table(run).assign(**tags, request_rate=rate, repeat=repeat))
     w = workload
     workload_cols = {"num_requests_config": w.num_requests,
                      "prompt_len_range": f"{w.prompt_len[0]}-{w.prompt_len[1]}",

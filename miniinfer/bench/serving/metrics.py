@@ -80,3 +80,24 @@ def summarize(run: ServingRun) -> dict[str, float]:
     for name in LATENCIES:
         out |= _stats(name, itl if name == "itl" else table[f"{name}_ms"])
     return out
+
+
+# What tells one run's identity apart from another's in a runs table (beside the system).
+RUN_KEYS = ("experiment", "request_rate", "max_num_batched_tokens")
+
+
+def median_of_repeats(runs: pd.DataFrame, by: str = "system") -> pd.DataFrame:
+    """One row per run in ``runs`` that was repeated (the same ``by`` column, experiment, rate
+    and budget, differing only in ``repeat``), in the order first met: each numeric column's
+    median over the repeats (a latency percentile: the median of each run's), the rest the
+    first run's, plus ``runs`` (how many) and ``output_throughput_min``/``_max``. A table of
+    single runs comes back as it was, with ``runs`` 1."""
+    keys = [by, *(k for k in RUN_KEYS if k in runs)]
+    groups = runs.groupby(keys, sort=False, dropna=False)
+    numeric = runs.select_dtypes("number").columns.difference(keys)
+    table = groups.first()
+    table[numeric] = groups[list(numeric)].median()
+    table["runs"] = groups.size()
+    table["output_throughput_min"] = groups.output_throughput.min()
+    table["output_throughput_max"] = groups.output_throughput.max()
+    return table.reset_index().drop(columns="repeat", errors="ignore")

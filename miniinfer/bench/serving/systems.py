@@ -217,47 +217,38 @@ def serve_vllm(engine: Engine, workload: Sequence[WorkloadRequest]) -> ServingRu
 
 
 class Systems:
-    """Serves workloads with one system at a time; its engine (and the KV pool allocated with
-    it) is kept while the next runs use the same system and budget, then let go."""
+    """Serves workloads with one system at a time. Its engine (and the KV pool allocated with
+    it) is kept while the next runs use the same system and budget, then let go; with
+    ``keep_engines`` every engine is kept until :meth:`close`, for runs that come back to it."""
 
     def __init__(self, lm: LoadedModel, kv_cache_bytes: int | None = None,
-                 static_batch_size: int = 8, tensor_parallel: int | None = None) -> None:
+                 static_batch_size: int = 8, tensor_parallel: int | None = None,
+                 keep_engines: bool = False) -> None:
         self.lm = lm
         self.kv_cache_bytes = kv_cache_bytes or default_pool_bytes(lm)
         self.static_batch_size = static_batch_size
         # None: each stepped system's own default (1, or the tensor-parallel stage's 2).
         self.runner_options = {} if tensor_parallel is None else \
             {"tensor_parallel": tensor_parallel}
-        self.current: tuple[tuple[str, int], Engine] | None = None
+        self.keep_engines = keep_engines
+        self.engines: dict[tuple[str, int], Engine] = {}
 
     def close(self) -> None:
-        """Let go of the current engine (and what its runner started)."""
-        if self.current is not None and hasattr(self.current[1], "close"):
-            self.current[1].close()
-        self.current = None
+        """Let go of every engine kept (and what their runners started)."""
+        for engine in self.engines.values():
+            if hasattr(engine, "close"):
+                engine.close()
+        self.engines.clear()
 
     def serve(self, system: str, budget: int, workload: list[WorkloadRequest]) -> ServingRun:
         if system == "hf-cb":
             return serve_hf_cb(self.lm, workload, budget, self.kv_cache_bytes)
-        if self.current is None or self.current[0] != (system, budget):
-            self.close()  # the old pool goes before the new one is allocated
-            if system == VLLM:
-                from ..peers.vllm_peer import VLLMEngine
-
-                # The same token budget, and at least our pool's KV memory (vLLM takes GiB).
-                # Under a budget of fewer tokens than vLLM's default number of running
-                # requests vLLM refuses to start; ours can run no more requests than the
-                # budget has tokens (a decode costs one), so that is vLLM's cap there too.
-                engine = VLLMEngine(self.lm, max_num_batched_tokens=budget,
-                                    max_num_seqs=budget if budget < VLLM_MAX_NUM_SEQS else None,
-                                    kv_cache_gib=max(1, math.ceil(self.kv_cache_bytes / 2**30)))
-            else:
-                engine = make_engine(system, self.lm, max_num_batched_tokens=budget,
-                                     kv_cache_bytes=self.kv_cache_bytes, **self.runner_options) \
-                    if system in STEPPED_SYSTEMS \
-                    else make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
-            self.current = ((system, budget), engine)
-        engine = self.current[1]
+        key = (system, budget)
+        if key not in self.engines:
+            if not self.keep_engines:
+                self.close()  # the old pool goes before the new one is allocated
+            self.engines[key] = self._build(system, budget)
+        engine = self.engines[key]
         if system == VLLM:
             return serve_vllm(engine, workload)
         if isinstance(engine, PrefixCacheEngine):
@@ -265,3 +256,19 @@ class Systems:
         if isinstance(engine, ContinuousEngine):
             return serve_continuous(engine, workload)
         return serve_static(engine, workload, self.static_batch_size)
+
+    def _build(self, system: str, budget: int) -> Engine:
+        if system == VLLM:
+            from ..peers.vllm_peer import VLLMEngine
+
+            # The same token budget, and at least our pool's KV memory (vLLM takes GiB).
+            # Under a budget of fewer tokens than vLLM's default number of running
+            # requests vLLM refuses to start; ours can run no more requests than the
+            # budget has tokens (a decode costs one), so that is vLLM's cap there too.
+            return VLLMEngine(self.lm, max_num_batched_tokens=budget,
+                              max_num_seqs=budget if budget < VLLM_MAX_NUM_SEQS else None,
+                              kv_cache_gib=max(1, math.ceil(self.kv_cache_bytes / 2**30)))
+        if system in STEPPED_SYSTEMS:
+            return make_engine(system, self.lm, max_num_batched_tokens=budget,
+                               kv_cache_bytes=self.kv_cache_bytes, **self.runner_options)
+        return make_engine(system.removeprefix(STATIC_PREFIX), self.lm)
