@@ -72,6 +72,12 @@ from .onednn_linear import MergedProjections, onednn_available, onednn_linear, p
 RECOMPILE_LIMIT = 512
 # The oldest torch whose inductor has the C++ GEMM template and freezing on CPU as used here.
 MIN_TORCH = (2, 6)
+# Part of every cache key of our graphs (torch.compiler.config.cache_key_tag), so that graphs
+# that a machine's inductor cache holds from an earlier version of this forward are not found:
+# a frozen graph's key does not cover what its weights are views of, and the graphs compiled
+# while the merged projections were views into the model's weights (see onednn_linear) hold
+# wrongly packed weights. Change it whenever cached graphs must not be reused.
+CACHE_KEY_TAG = "miniinfer-compiled-2"
 
 
 @dataclass(slots=True)
@@ -303,6 +309,8 @@ class CompiledForward:
             torch._inductor.config.patch(freezing=self.options.freezing),
             torch._dynamo.config.patch(recompile_limit=max(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)),
+            torch.compiler.config.patch(
+                cache_key_tag=torch.compiler.config.cache_key_tag + CACHE_KEY_TAG),
         )
         self.reason_eager = compile_unavailable_reason(self.device)
         if self.reason_eager is not None:
@@ -481,7 +489,8 @@ class CompiledForward:
         # them as oneDNN/MKL tensors, which inductor's on-disk cache cannot store (every
         # process would compile again). The compiled graph does not depend on the flag.
         first = key not in self._compiled
-        with self._patches[0], self._patches[1], _onednn_disabled() if first else nullcontext():
+        with self._patches[0], self._patches[1], self._patches[2], \
+                _onednn_disabled() if first else nullcontext():
             out = graph(*args)
         if first:
             self._compiled.add(key)

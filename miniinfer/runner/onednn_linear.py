@@ -24,7 +24,13 @@ rows ran as fast at 4-64 rows as copies packed for each (packed for 1 row it was
 
 As vLLM's model definitions do, a layer's query, key and value projections run as one matmul,
 and so do its gate and up projections (:func:`merge_projections`): 4 calls a layer instead of
-7, and wider ones: 4-12% off the body's matmuls at 1-64 rows in one microbenchmark.
+7, and wider ones: 4-12% off the body's matmuls at 1-64 rows in one microbenchmark. The merged
+weights are copies (SmolLM2-135M: about 0.3 GB more in fp32), not the model's own memory with
+its projections turned into views into them, as they once were: inductor's C++ GEMM template
+(torch 2.13) packs a frozen weight from the start of its storage, whatever the view's offset,
+so the small buckets' graphs, which do not merge, computed the key, value and up projections
+with the query's and gate's first rows (logits off by up to 58 on SmolLM2; tests check the
+template graphs against the eager forward now).
 """
 
 from __future__ import annotations
@@ -84,9 +90,8 @@ _MERGED: weakref.WeakKeyDictionary[nn.Module, list[MergedProjections]] = \
 
 
 def merge_projections(model: nn.Module) -> list[MergedProjections]:
-    """Each decoder layer's :class:`MergedProjections` (once per model). The stacked weights
-    are the model's own memory: its q/k/v (and gate/up) weights become views into them, the
-    same values at new addresses, so the model runs as before and nothing is held twice."""
+    """Each decoder layer's :class:`MergedProjections` (once per model): stacked copies of its
+    weights, which stay as they were (see the module docstring for why not views)."""
     if model in _MERGED:
         return _MERGED[model]
     merged = []
@@ -104,13 +109,8 @@ def merge_projections(model: nn.Module) -> list[MergedProjections]:
 
 
 def _stack(params: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters' rows stacked into one tensor, each parameter then a view into it."""
-    stacked = torch.cat([p.detach() for p in params])
-    start = 0
-    for p in params:
-        p.data = stacked[start : start + p.shape[0]]
-        start += p.shape[0]
-    return stacked
+    """The parameters' rows stacked into one new tensor."""
+    return torch.cat([p.detach() for p in params])
 
 
 def prepack(weights: list[torch.Tensor]) -> None:
