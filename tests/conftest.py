@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+from typing import NamedTuple
 
 import pytest
 
@@ -65,6 +66,30 @@ def hf_greedy(smollm2, template_prompts) -> dict[str, list[list[int]]]:
         "batched": hf.generate(template_prompts, params).token_ids,
         "single": [hf.generate([p], params).token_ids[0] for p in template_prompts],
     }
+
+
+class EOSCase(NamedTuple):
+    prompts: list[list[int]]
+    params: SamplingParams
+    hf_batched: list[list[int]]  # HF's tokens for both prompts at once
+    hf_alone: list[int]  # HF's tokens for the chat prompt alone
+
+
+@pytest.fixture(scope="session")
+def hf_eos(smollm2) -> EOSCase:
+    """The EOS case every stage's test reuses, with HF's tokens computed once: the chat prompt
+    makes the model answer briefly and end its turn with <|im_end|> (33 tokens); "Hello" beside
+    it runs to max_new_tokens, so a batch holds a finished and a running request."""
+    tok = smollm2.tokenizer
+    prompts = [tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"),
+               tok.encode("Hello")]
+    params = SamplingParams(max_new_tokens=48)
+    hf = make_engine("hf", smollm2)
+    batched = hf.generate(prompts, params).token_ids
+    alone = hf.generate(prompts[:1], params).token_ids[0]
+    assert batched[0][-1] == smollm2.eos_token_id and len(batched[0]) < params.max_new_tokens
+    assert len(batched[1]) == params.max_new_tokens and alone[-1] == smollm2.eos_token_id
+    return EOSCase(prompts, params, batched, alone)
 
 
 # The tiny random model copies its input more than it writes: most prompts make it repeat one

@@ -17,15 +17,9 @@ def test_naive_greedy_matches_hf(smollm2, template_prompts, hf_greedy):
     assert_greedy_matches_hf(make_engine("naive", smollm2), template_prompts, hf_greedy)
 
 
-def test_naive_stops_at_eos_like_hf(smollm2):
-    # The chat prompt makes the model answer briefly and end its turn with <|im_end|>.
-    tok = smollm2.tokenizer
-    prompt = tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
-    params = SamplingParams(max_new_tokens=48)
-    hf = make_engine("hf", smollm2).generate([prompt, tok.encode("Hello")], params).token_ids
-    naive = make_engine("naive", smollm2).generate([prompt, tok.encode("Hello")], params).token_ids
-    assert naive == hf
-    assert naive[0][-1] == smollm2.eos_token_id and len(naive[0]) < 48
+def test_naive_stops_at_eos_like_hf(smollm2, hf_eos):
+    naive = make_engine("naive", smollm2)
+    assert naive.generate(hf_eos.prompts, hf_eos.params).token_ids == hf_eos.hf_batched
 
 
 def test_unknown_engine_lists_names(tiny):

@@ -31,22 +31,10 @@ def test_paged_greedy_matches_hf(smollm2, template_prompts, hf_greedy, engine_na
     assert manager.num_free_blocks == manager.num_blocks
 
 
-@pytest.fixture(scope="module")
-def eos_case(smollm2):
-    # The chat prompt makes the model answer briefly and end its turn with <|im_end|>.
-    tok = smollm2.tokenizer
-    prompts = [tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"),
-               tok.encode("Hello")]
-    params = SamplingParams(max_new_tokens=48)
-    return prompts, params, make_engine("hf", smollm2).generate(prompts, params).token_ids
-
-
 @pytest.mark.parametrize("engine_name", PAGED_ENGINES)
-def test_paged_stops_at_eos_like_hf(smollm2, eos_case, engine_name):
-    prompts, params, hf = eos_case
-    ours = make_engine(engine_name, smollm2).generate(prompts, params).token_ids
-    assert ours == hf
-    assert ours[0][-1] == smollm2.eos_token_id and len(ours[0]) < 48
+def test_paged_stops_at_eos_like_hf(smollm2, hf_eos, engine_name):
+    ours = make_engine(engine_name, smollm2).generate(hf_eos.prompts, hf_eos.params).token_ids
+    assert ours == hf_eos.hf_batched
 
 
 @pytest.mark.parametrize("engine_name", PAGED_ENGINES)

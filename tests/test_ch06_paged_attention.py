@@ -55,15 +55,9 @@ def test_other_engines_unaffected_afterwards(smollm2, template_prompts, hf_greed
         assert naive.generate([prompt], params).token_ids[0] == ref[:8]
 
 
-def test_stops_at_eos_like_hf(smollm2):
-    tok = smollm2.tokenizer
-    prompts = [tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"),
-               tok.encode("Hello")]
-    params = SamplingParams(max_new_tokens=48)
-    hf = make_engine("hf", smollm2).generate(prompts, params).token_ids
-    ours = make_engine("paged-attention", smollm2).generate(prompts, params).token_ids
-    assert ours == hf
-    assert ours[0][-1] == smollm2.eos_token_id and len(ours[0]) < 48
+def test_stops_at_eos_like_hf(smollm2, hf_eos):
+    ours = make_engine("paged-attention", smollm2).generate(hf_eos.prompts, hf_eos.params)
+    assert ours.token_ids == hf_eos.hf_batched
 
 
 def test_seeded_sampling_is_reproducible(tiny):

@@ -32,19 +32,13 @@ def test_greedy_matches_hf(smollm2, template_prompts, hf_greedy, loop):
 
 
 @pytest.mark.parametrize("loop", CPU_LOOPS)
-def test_stops_at_eos_like_hf(smollm2, loop):
-    tok = smollm2.tokenizer
-    # The first prompt ends on EOS early; the second runs to max_new_tokens; the third alone
+def test_stops_at_eos_like_hf(smollm2, loop, hf_eos):
+    # The first prompt ends on EOS early; the second runs to max_new_tokens; the first alone
     # makes the whole batch stop early (the overlapped loop then drops one step's padding).
-    prompts = [tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"),
-               tok.encode("Hello")]
-    params = SamplingParams(max_new_tokens=48)
-    hf = make_engine("hf", smollm2)
     engine = make_engine(f"async:{loop}", smollm2)
-    assert engine.generate(prompts, params).token_ids == hf.generate(prompts, params).token_ids
-    alone = engine.generate(prompts[:1], params)
-    assert alone.token_ids == hf.generate(prompts[:1], params).token_ids
-    assert alone.token_ids[0][-1] == smollm2.eos_token_id
+    assert engine.generate(hf_eos.prompts, hf_eos.params).token_ids == hf_eos.hf_batched
+    alone = engine.generate(hf_eos.prompts[:1], hf_eos.params)
+    assert alone.token_ids[0] == hf_eos.hf_alone
     assert len(alone.token_times) == len(alone.token_ids[0])  # one stamp per emitted step
 
 

@@ -82,16 +82,12 @@ def test_arrivals_chunks_and_preemptions_match_hf_alone(smollm2, template_prompt
     assert_all_blocks_free(engine)
 
 
-def test_stops_at_eos_like_hf(smollm2):
-    tok = smollm2.tokenizer
-    prompt = tok.encode("<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n")
-    params = SamplingParams(max_new_tokens=48)
-    hf = make_engine("hf", smollm2).generate([prompt], params).token_ids[0]
+def test_stops_at_eos_like_hf(smollm2, hf_eos):
     engine = make_engine("continuous", smollm2)
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(hf_eos.prompts[0], hf_eos.params)
     finished, _ = run_to_end(engine)
-    assert finished[rid].output_ids == hf and finished[rid].finish_reason is FinishReason.EOS
-    assert hf[-1] == smollm2.eos_token_id and len(hf) < 48
+    assert finished[rid].output_ids == hf_eos.hf_alone
+    assert finished[rid].finish_reason is FinishReason.EOS
 
 
 def test_stop_strings_end_a_request_on_the_token_that_completes_them(smollm2):
