@@ -4,13 +4,16 @@
 VENV   ?= .venv
 PYTHON ?= $(VENV)/bin/python
 SYSPY  ?= python3
-# Notebooks run with a small preset under tests so the suite stays short on 2 cores.
+# The suite runs two test files or notebooks at a time (pytest-xdist; `--dist loadfile` keeps a
+# file's tests, or a notebook's cells, in order on one worker), each process on one torch thread:
+# two one-thread processes keep both cores busy through the imports, subprocesses and Python
+# between torch's ops. On a 2-core EPYC the tests took 10.2 minutes one at a time and 6.0-6.6 two
+# at a time, the notebooks 10.5 and 5.8-6.9. The OpenMP tests watch a team of torch threads come
+# and go, so they need two threads and run first, on their own.
+TEST_WORKERS ?= 2
+XDIST = -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+# Notebooks run with a small preset under tests: they check the prose's claims and record nothing.
 TEST_PRESET ?= small
-# ... and two at a time (pytest-xdist, a notebook's cells in order on one worker), each kernel on
-# one thread: under that preset they check the prose's claims and record nothing, and two
-# one-thread kernels keep both cores busy through the imports and the Python between torch's
-# ops (on a 2-core EPYC: 10.5 minutes one at a time, 6.9 two at a time).
-NOTEBOOK_WORKERS ?= 2
 
 # chapter-NN is a pattern rule; make skips pattern rules for .PHONY targets, so it is not listed.
 .PHONY: setup test lint lab clean peers
@@ -39,9 +42,11 @@ chapter-%: setup
 	$(PYTHON) -m miniinfer repro $*
 
 test: setup
-	$(PYTHON) -m pytest -q --durations=15 tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_openmp.py
+	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --durations=15 $(XDIST) tests \
+	  --ignore=tests/test_openmp.py
 	OMP_NUM_THREADS=1 MINIINFER_PRESET=$(TEST_PRESET) $(PYTHON) -m pytest -q --nbval-lax \
-	  -p no:cacheprovider -n $(NOTEBOOK_WORKERS) --dist loadfile chapters
+	  $(XDIST) chapters
 
 lint: setup
 	$(PYTHON) -m ruff check miniinfer tests
