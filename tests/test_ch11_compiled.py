@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from miniinfer import SamplingParams, load_model, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.core.kernels import cpu_decode
+from miniinfer.runner import compiled_attention
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
 from miniinfer.runner.onednn_linear import calls as onednn_calls
@@ -359,6 +360,33 @@ def test_segment_attention_equals_each_tokens_own_attention():
         expected = (weights[..., None] * values).sum(0)
         torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-5)
     assert not out[len(tokens):].any()
+
+
+def test_segment_attention_keeps_its_plan_only_for_the_same_step():
+    """A step's layers share one plan (made from the positions and tables, which every layer
+    passes alike); a call with other values of the same shapes (the next step) gets a plan of
+    its own, never the last step's: its output is what a fresh plan gives."""
+    torch.manual_seed(0)
+    block_size, kv_heads, heads, dim = 4, 2, 4, 8
+    slots = 12 * block_size
+    pool = torch.randn(2 * slots, kv_heads, dim)
+    q = torch.randn(6, heads, dim)
+    real = torch.ones(6, dtype=torch.bool)
+    tables = torch.tensor([[3, 7, 0]], dtype=torch.int32).expand(6, 3)
+
+    def attend(positions, tables):
+        return segment_attention(q, pool, 0, slots, block_size, real, positions, tables, 0.3)
+
+    first = attend(torch.arange(6), tables)
+    plan = compiled_attention._last_plan[1]
+    assert torch.equal(attend(torch.arange(6), tables.clone()), first)
+    assert compiled_attention._last_plan[1] is plan  # the same values: the same plan
+    for positions, step_tables in ((torch.arange(6), tables.flip(1)),  # another request
+                                   (torch.arange(1, 7), tables)):  # one position on
+        out = attend(positions, step_tables)
+        assert compiled_attention._last_plan[1] is not plan and not torch.equal(out, first)
+        compiled_attention._last_plan = None
+        assert torch.equal(attend(positions, step_tables), out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
