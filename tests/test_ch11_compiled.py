@@ -334,16 +334,20 @@ def test_onednn_linear_reads_merged_prepacked_weights_and_falls_back_without(tin
 
 
 def test_segment_attention_equals_each_tokens_own_attention():
-    """Decodes, prompt chunks of two requests back to back (one starting mid-prompt) and
-    padding, cut into segments by request and position; each real token's output is the
-    softmax over exactly its request's positions up to its own."""
+    """Decodes, prompt chunks of four requests back to back (one starting mid-prompt, two
+    of one length from position 0, which attend as one batch, one shorter) and padding, cut
+    into segments by request and position; each real token's output is the softmax over
+    exactly its request's positions up to its own."""
     torch.manual_seed(0)
     block_size, num_blocks, kv_heads, heads, dim = 4, 12, 2, 4, 8
     slots = num_blocks * block_size
     pool = torch.randn(2 * slots, kv_heads, dim)
-    tables = torch.tensor([[3, 7, 0], [5, 1, 9], [2, 8, 0], [6, 4, 0]], dtype=torch.int32)
-    # (request, position) of each token: two decodes, a chunk at 3..7, a chunk at 0..3.
-    tokens = [(0, 9), (1, 5), *[(2, p) for p in range(3, 8)], *[(3, p) for p in range(4)]]
+    tables = torch.tensor([[3, 7, 0], [5, 1, 9], [2, 8, 0], [6, 4, 0], [10, 11, 0], [0, 3, 0]],
+                          dtype=torch.int32)
+    # (request, position) of each token: two decodes, a chunk at 3..7, two chunks at 0..3, one
+    # at 0..2.
+    tokens = [(0, 9), (1, 5), *[(2, p) for p in range(3, 8)], *[(3, p) for p in range(4)],
+              *[(4, p) for p in range(4)], *[(5, p) for p in range(3)]]
     num_padding = 3
     request = torch.tensor([r for r, _ in tokens] + [0] * num_padding)
     positions = torch.tensor([p for _, p in tokens] + [0] * num_padding)
@@ -351,6 +355,9 @@ def test_segment_attention_equals_each_tokens_own_attention():
     q = torch.randn(len(request), heads, dim)
     out = segment_attention(q, pool, 0, slots, block_size, real, positions, tables[request],
                             0.3)
+    plan = compiled_attention._last_plan[1]
+    assert [(start, end, count) for start, end, _, _, count in plan.chunks] == \
+        [(2, 7, 1), (7, 15, 2), (15, 18, 1)]
     for row, (r, p) in enumerate(tokens):
         context = torch.arange(p + 1)
         slot = tables[r][context // block_size].long() * block_size + context % block_size

@@ -66,9 +66,9 @@ def segment_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_base: 
         index, decode = plan.singles
         out[index] = decode(q[index], k_layer.view(-1, block_size, *pool.shape[1:]),
                             v_layer.view(-1, block_size, *pool.shape[1:]), scale)
-    for start, end, slots, mask in plan.chunks:  # each prompt chunk over its own request
+    for start, end, slots, mask, count in plan.chunks:  # prompt chunks, each over its request
         out[start:end] = _chunk_attention(q[start:end], k_layer.index_select(0, slots),
-                                          v_layer.index_select(0, slots), mask, scale)
+                                          v_layer.index_select(0, slots), mask, count, scale)
     return out
 
 
@@ -76,11 +76,12 @@ def segment_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_base: 
 class _SegmentPlan:
     """How one step's tokens attend by segment, the same in every layer: the single-token
     segments' rows and their decode plan (None: there are none), and each longer segment's
-    rows ``start:end``, its context's slots within a layer's rows of the pool, and its mask
-    (None: the chunk starts its prompt, SDPA's own causal case)."""
+    rows ``start:end``, its context's slots within a layer's rows of the pool, its mask (None:
+    the chunk starts its prompt, SDPA's own causal case) and how many chunks the entry holds:
+    consecutive chunks of one length that start their prompts attend as one batch."""
 
     singles: tuple[torch.Tensor, DecodePlan] | None
-    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None, int]]
 
 
 # The last plan made, by the values it was made from (see _segment_plan).
@@ -119,8 +120,17 @@ def _segment_plan(real: torch.Tensor, position_ids: torch.Tensor, token_tables: 
             seen = torch.arange(context)
             slots = tables[start, seen // block_size].long() * block_size + seen % block_size
             # A later chunk sees every earlier position as well, which takes a mask.
-            mask = seen <= torch.arange(first, first + end - start)[:, None] if first else None
-            chunks.append((start, end, slots, mask))
+            if first:  # a later chunk sees every earlier position as well: a mask
+                mask = seen <= torch.arange(first, first + end - start)[:, None]
+                chunks.append((start, end, slots, mask, 1))
+            elif chunks and chunks[-1][3] is None and chunks[-1][1] == start \
+                    and chunks[-1][1] - chunks[-1][0] == chunks[-1][4] * (end - start):
+                # The same length as the causal chunks just before it: one more in their batch
+                # (a batch of eight prompts' first chunks is one SDPA call per layer, not eight).
+                head_start, _, head_slots, _, count = chunks[-1]
+                chunks[-1] = (head_start, end, torch.cat([head_slots, slots]), None, count + 1)
+            else:
+                chunks.append((start, end, slots, None, 1))
     plan = _SegmentPlan(decode, chunks)
     _last_plan = (key, plan)
     return plan
@@ -132,15 +142,16 @@ def _(q, pool, k_base, v_base, block_size, real, position_ids, token_tables, sca
 
 
 def _chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """One prompt chunk: ``q`` ``[L, heads, dim]`` over its request's ``keys``/``values``
-    ``[context, kv_heads, dim]``. ``mask`` ``[L, context]``: which positions each query sees;
-    None for a chunk from position 0 (``context == L``), SDPA's own causal case, which skips
-    the masked half of the scores."""
+                     mask: torch.Tensor | None, count: int, scale: float) -> torch.Tensor:
+    """``count`` prompt chunks of one length ``L``, back to back: ``q`` ``[count * L, heads,
+    dim]`` over their requests' ``keys``/``values`` ``[count * context, kv_heads, dim]``.
+    ``mask`` ``[L, context]`` (one chunk only): which positions each query sees; None for
+    chunks from position 0 (``context == L``), SDPA's own causal case, which skips the masked
+    half of the scores."""
     heads = q.shape[1]
-    # As [1, heads, L, dim]: without the batch dimension SDPA on a CPU takes its unfused
+    # As [count, heads, L, dim]: without the batch dimension SDPA on a CPU takes its unfused
     # (matmul, softmax, matmul) path instead of the flash kernel.
     out = F.scaled_dot_product_attention(
-        *(t.float().transpose(0, 1)[None] for t in (q, keys, values)),
+        *(t.float().unflatten(0, (count, -1)).transpose(1, 2) for t in (q, keys, values)),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=heads != keys.shape[1])
-    return out[0].transpose(0, 1).to(q.dtype)
+    return out.transpose(1, 2).flatten(0, 1).to(q.dtype)
