@@ -119,7 +119,6 @@ def _segment_plan(real: torch.Tensor, position_ids: torch.Tensor, token_tables: 
             first, context = int(positions[start]), int(positions[end - 1]) + 1
             seen = torch.arange(context)
             slots = tables[start, seen // block_size].long() * block_size + seen % block_size
-            # A later chunk sees every earlier position as well, which takes a mask.
             if first:  # a later chunk sees every earlier position as well: a mask
                 mask = seen <= torch.arange(first, first + end - start)[:, None]
                 chunks.append((start, end, slots, mask, 1))
