@@ -7,7 +7,7 @@ SYSPY  ?= python3
 # The suite runs two test files or notebooks at a time (pytest-xdist; `--dist loadfile` keeps a
 # file's tests, or a notebook's cells, in order on one worker), each process on one torch thread:
 # two one-thread processes keep both cores busy through the imports, subprocesses and Python
-# between torch's ops. On a 2-core EPYC the tests took 10.2 minutes one at a time and 6.0-6.6 two
+# between torch's ops. On a 2-core EPYC the tests took 10.2 minutes one at a time and 6.0-6.9 two
 # at a time, the notebooks 10.5 and 5.8-6.9. The OpenMP tests watch a team of torch threads come
 # and go, so they need two threads and run first, on their own.
 TEST_WORKERS ?= 2

@@ -20,6 +20,7 @@ a CPU step can afford and a CUDA graph could not, so it runs on CPUs only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,16 +73,27 @@ def segment_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_base: 
     return out
 
 
+class _Chunks(NamedTuple):
+    """Rows ``start:end`` of ``count`` prompt chunks of one length, back to back, and their
+    contexts' slots within a layer's rows of the pool; ``mask`` ``[L, context]`` which
+    positions each query sees (None: chunks from position 0, SDPA's own causal case; a masked
+    entry holds one chunk)."""
+
+    start: int
+    end: int
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+    count: int
+
+
 @dataclass(frozen=True, slots=True)
 class _SegmentPlan:
     """How one step's tokens attend by segment, the same in every layer: the single-token
-    segments' rows and their decode plan (None: there are none), and each longer segment's
-    rows ``start:end``, its context's slots within a layer's rows of the pool, its mask (None:
-    the chunk starts its prompt, SDPA's own causal case) and how many chunks the entry holds:
+    segments' rows and their decode plan (None: there are none), and the longer segments:
     consecutive chunks of one length that start their prompts attend as one batch."""
 
     singles: tuple[torch.Tensor, DecodePlan] | None
-    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor | None, int]]
+    chunks: list[_Chunks]
 
 
 # The last plan made, by the values it was made from (see _segment_plan).
@@ -119,17 +131,18 @@ def _segment_plan(real: torch.Tensor, position_ids: torch.Tensor, token_tables: 
             first, context = int(positions[start]), int(positions[end - 1]) + 1
             seen = torch.arange(context)
             slots = tables[start, seen // block_size].long() * block_size + seen % block_size
+            last = chunks[-1] if chunks else None
             if first:  # a later chunk sees every earlier position as well: a mask
                 mask = seen <= torch.arange(first, first + end - start)[:, None]
-                chunks.append((start, end, slots, mask, 1))
-            elif chunks and chunks[-1][3] is None and chunks[-1][1] == start \
-                    and chunks[-1][1] - chunks[-1][0] == chunks[-1][4] * (end - start):
+                chunks.append(_Chunks(start, end, slots, mask, 1))
+            elif last is not None and last.mask is None and last.end == start \
+                    and last.end - last.start == last.count * (end - start):
                 # The same length as the causal chunks just before it: one more in their batch
                 # (a batch of eight prompts' first chunks is one SDPA call per layer, not eight).
-                head_start, _, head_slots, _, count = chunks[-1]
-                chunks[-1] = (head_start, end, torch.cat([head_slots, slots]), None, count + 1)
+                chunks[-1] = _Chunks(last.start, end, torch.cat([last.slots, slots]), None,
+                                     last.count + 1)
             else:
-                chunks.append((start, end, slots, None, 1))
+                chunks.append(_Chunks(start, end, slots, None, 1))
     plan = _SegmentPlan(decode, chunks)
     _last_plan = (key, plan)
     return plan
