@@ -534,10 +534,9 @@ def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
         pytest.skip("no recorded chapter 05 trace")
     traces = {int(p.name.split("-b")[-1].split(".")[0]): load_trace(p) for p in paths}
     ops = recorded_trace_op_times(traces, smollm2.config.num_hidden_layers, prompt_len=64)
-    runs = _recorded_runs("05", "bench")
-    bench = runs[runs.device == "cpu"].iloc[0]  # the traces' host: name and instruction set
+    slug = paths[0].name.split("-paged-prealloc")[0]  # the traces' host (its name and ISA)
     devices = book.device_table()
-    speed = devices[(devices.name == bench.device_name) & (devices.isa == bench.isa)].iloc[0]
+    speed = devices[devices.slug == slug].iloc[0]
     table = roofline_table(smollm2.config, ops, speed.bandwidth_gbs, speed.peak_gflops)
     top = _recorded_runs("05", "top")
     for b in traces:

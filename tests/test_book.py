@@ -69,27 +69,39 @@ def test_speed_of_light_takes_the_bandwidth_of_the_host_with_the_rows_instructio
     assert list(table) == [15.0, 60.0]  # batch 1 (AVX512), batch 8 (AVX2)
 
 
-def test_a_recorded_benchmark_from_another_instruction_set_is_measured_live(tiny, tmp_path,
-                                                                            monkeypatch):
+def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_file(
+        tiny, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from miniinfer.book import results
-    from miniinfer.core.devices import device_isa, device_slug
+    from miniinfer.core import devices
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     (tmp_path / "ch06").mkdir()
-    path = tmp_path / "ch06" / f"{device_slug(tiny.device)}.csv"
+    isa = devices.device_isa(tiny.device)
+    slug = devices.device_slug(tiny.device)
+    assert slug.startswith("cpu-") and slug.endswith("-" + isa.lower())
+    # The same CPU name with another instruction set: another file, so neither overwrites the
+    # other, and this device does not take the other's rows as its own.
+    with monkeypatch.context() as patched:
+        patched.setattr(devices, "device_isa", lambda device: "OTHER")
+        other = tmp_path / "ch06" / f"{devices.device_slug(tiny.device)}.csv"
+    assert other.name != f"{slug}.csv" and other.name.endswith("-other.csv")
     live = pd.DataFrame({"engine": ["hf"], "tok_s": [1.0]})
     monkeypatch.setattr("miniinfer.bench.offline.run_bench", lambda lm, config, engines: live)
     full = SimpleNamespace(name="full", bench=SimpleNamespace(chapter="06"))
-    here = {"model": tiny.name, "device_name": "AMD EPYC", "engine": "hf", "tok_s": 2.0}
-    pd.DataFrame([{**here, "isa": "not-" + device_isa(tiny.device)}]).to_csv(path, index=False)
+    row = {"model": tiny.name, "device": "cpu", "device_name": "AMD EPYC", "engine": "hf"}
+    pd.DataFrame([{**row, "isa": "OTHER", "tok_s": 3.0}]).to_csv(other, index=False)
     df, source = results.this_device_or_live(tiny, full)
     assert df is live and source == "measured live in this notebook"
-    pd.DataFrame([{**here, "isa": device_isa(tiny.device)}]).to_csv(path, index=False)
+    path = tmp_path / "ch06" / f"{slug}.csv"
+    pd.DataFrame([{**row, "isa": isa, "tok_s": 2.0}]).to_csv(path, index=False)
     df, source = results.this_device_or_live(tiny, full)
     assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by make chapter-06 on this")
-    assert device_isa(tiny.device) in source
+    assert f"AMD EPYC ({isa})" in source
+    # Read back, the two hosts' rows are two machines to every table that groups by name.
+    both = results.recorded_results("06")
+    assert sorted(both.device_name) == sorted([f"AMD EPYC ({isa})", "AMD EPYC (OTHER)"])
     # Chapter 05's benchmark is <device>-bench.csv: found by its suffix, and only on this host.
     path.rename(path.with_name(path.stem + "-bench.csv"))
     assert results.this_device_or_live(tiny, full)[0] is live
@@ -383,6 +395,24 @@ def test_a_gpu_callout_quotes_one_gpu_the_latest_recorded():
     assert on_device(rows, gpu=True).pct_of_hf.tolist() == [97.0, 101.0]
     assert on_device(rows.iloc[[0, 3]], gpu=True).device_name.tolist() == ["NVIDIA H200"]
     assert on_device(rows, gpu=False).device_name.tolist() == ["AMD EPYC"]
+
+
+def test_a_cpu_callout_quotes_one_host_when_two_of_one_name_recorded(tmp_path, monkeypatch):
+    # A Zen 4 and a Zen 3, both "AMD EPYC": read back, their names carry the instruction set,
+    # and a chapter's callout quotes the latest one's rows, not a mix of the two machines'.
+    from miniinfer.book import callout_rows, results
+    from miniinfer.book.callout_rows import bench_of
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(callout_rows, "RESULTS", tmp_path)
+    (tmp_path / "ch01").mkdir()
+    for isa, date, tok_s in (("AVX512", "2026-11-23T00:00:00Z", 30.0),
+                             ("AVX2", "2026-11-27T00:00:00Z", 15.0)):
+        pd.DataFrame({"device": ["cpu"], "device_name": ["AMD EPYC"], "isa": [isa],
+                      "date": [date], "engine": ["hf"], "tok_s": [tok_s]}).to_csv(
+            tmp_path / "ch01" / f"cpu-amd-epyc-{isa.lower()}.csv", index=False)
+    rows = bench_of("01", gpu=False, others=())
+    assert rows.device_name.tolist() == ["AMD EPYC (AVX2)"] and rows.tok_s.tolist() == [15.0]
 
 
 def test_every_notebook_that_quotes_a_reference_post_cites_it():

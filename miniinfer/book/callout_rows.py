@@ -25,16 +25,19 @@ def bench_of(chapter: str, gpu: bool, others: tuple[str, ...]) -> pd.DataFrame:
         if files else pd.DataFrame()
 
 
-def on_device(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
-    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``). On a GPU,
-    one GPU's rows: the latest recorded where several GPUs recorded the same table, since a
-    phrase over two GPUs' rows (a range of % of hf, say) would describe neither."""
+def of_kind(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
+    """The rows of one kind of device (the ``device`` column: ``cpu`` or ``cuda:N``)."""
     if df.empty or "device" not in df:
         return df.iloc[0:0] if gpu else df
     cuda = df.device.astype(str).str.startswith("cuda")
-    if not gpu:
-        return df[~cuda]
-    df = df[cuda]
+    return df[cuda] if gpu else df[~cuda]
+
+
+def on_device(df: pd.DataFrame, gpu: bool) -> pd.DataFrame:
+    """One device's rows of that kind: the latest recorded where several devices (two GPUs, or
+    two CPUs: names carry the instruction set) recorded the same table, since a phrase over two
+    machines' rows (a range of % of hf, say) would describe neither."""
+    df = of_kind(df, gpu)
     if "device_name" not in df or df.device_name.nunique() < 2:
         return df
     latest = df.groupby("device_name")["date"].max().idxmax() if "date" in df \

@@ -333,7 +333,8 @@ def callout(chapter: str) -> str:
     """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
     cpu = CPU_LINES[chapter](False)
     gpu = CPU_LINES[chapter](True)
-    rows = recorded_rows([chapter] if chapter != "00" else [c for c in CPU_LINES if c != "00"])
+    # The overview's lines read the stage chapters' benchmarks and chapters 08 and 09's runs.
+    rows = recorded_rows([chapter] if chapter != "00" else [*STAGE_CHAPTERS, "08", "09"])
     where = ", ".join(device_names(on_device(rows, gpu=False))) or "no CPU yet"
     lines = [f"> {MARK} (recorded on {where}):"]
     lines += [f"> - {line}" for line in cpu] if cpu else \

@@ -18,8 +18,14 @@ TEXT_COLUMNS = {"chapter": str, "git_sha": str, "date": str}
 
 
 def read_results(path) -> pd.DataFrame:
-    """A results CSV with its identifying columns kept as text."""
-    return pd.read_csv(path, dtype=TEXT_COLUMNS)
+    """A results CSV with its identifying columns kept as text, and a CPU's ``device_name``
+    followed by its instruction set, "AMD EPYC (AVX512)": the tables group rows by device
+    name, and hosts sold under one CPU name are different machines (see ``device_slug``)."""
+    df = pd.read_csv(path, dtype=TEXT_COLUMNS)
+    if {"device", "device_name", "isa"} <= set(df.columns):
+        cpu = (df.device == "cpu") & df.isa.notna()
+        df.loc[cpu, "device_name"] = df.device_name[cpu] + " (" + df.isa[cpu] + ")"
+    return df
 
 
 def _is_sweep(path) -> bool:
@@ -203,16 +209,14 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     (re-measuring it would only double the wait); otherwise, and when this device has no CSV
     yet, it is measured now."""
     from ..bench.offline import run_bench
-    from ..core.devices import device_isa, device_slug
+    from ..core.devices import device_slug
 
     path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
-        # The same name with another instruction set is another machine (a Zen 4 and a Zen 3
-        # were both "AMD EPYC" here): its rows are not this device's.
-        if df.model.iloc[0] == lm.name and df.isa.iloc[0] == device_isa(lm.device):
+        if df.model.iloc[0] == lm.name:
             return df, (f"recorded by make chapter-{p.bench.chapter} on this device "
-                        f"({df.device_name.iloc[0]}, {df.isa.iloc[0]}; {path.name})")
+                        f"({df.device_name.iloc[0]}; {path.name})")
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 
 

@@ -48,9 +48,14 @@ def device_isa(device: torch.device) -> str:
 
 
 def device_slug(device: torch.device) -> str:
-    """``cpu-intel-xeon-platinum-8481c`` / ``cuda-nvidia-h100-80gb-hbm3``: the CSV file name."""
+    """``cpu-intel-xeon-platinum-8481c-avx512`` / ``cuda-nvidia-h100-80gb-hbm3``: the CSV file
+    name. A CPU's ends with its instruction set (:func:`device_isa`): hosts sold under one name
+    are different machines (a Zen 4 and a Zen 3 were both "AMD EPYC" here), and one's results
+    must not overwrite the other's. A GPU's name says which chip it is."""
     name = device_name(device).lower()
     name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\bprocessor\b|\d+-core", " ", name)
+    if device.type == "cpu":
+        name += f" {device_isa(device)}".lower()
     name = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
     return f"{device.type}-{name}" if name else device.type
 
