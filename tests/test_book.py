@@ -56,7 +56,9 @@ def test_speed_of_light_takes_the_bandwidth_of_the_host_with_the_rows_instructio
         monkeypatch):
     # One name, two hosts: a Zen 4 (AVX512, 40 GB/s) and a Zen 3 (AVX2, 10 GB/s). Each run's
     # share, measured against 20 GB/s, is rescaled to its own host's bandwidth, not the name's.
-    runs = {"01": pd.DataFrame({"device_name": ["AMD EPYC"] * 2, "isa": ["AVX512", "AVX2"],
+    # (Read back, the rows name each host with its instruction set: read_results.)
+    runs = {"01": pd.DataFrame({"device_name": ["AMD EPYC (AVX512)", "AMD EPYC (AVX2)"],
+                                "isa": ["AVX512", "AVX2"],
                                 "model": "m", "dtype": "float32", "engine": "hf",
                                 "batch_size": [1, 8], "pct_of_floor": [30.0, 30.0],
                                 "bandwidth_gbs": [20.0, 20.0]})}

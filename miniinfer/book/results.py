@@ -190,9 +190,11 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     table = device_table()
     if not table.empty:
         # A device is its name and instruction set: one name here was two hosts, 49 and 16 GB/s.
+        # Rows read back name a CPU with its set already (read_results): either form is found.
         isa = df.isa if "isa" in df else pd.Series("", index=df.index)
         rows = pd.MultiIndex.from_arrays([df.device_name, isa])
-        recorded = pd.Series(table.set_index(["name", "isa"]).bandwidth_gbs.reindex(rows)
+        named = pd.concat([table, table.assign(name=table.name + " (" + table.isa + ")")])
+        recorded = pd.Series(named.set_index(["name", "isa"]).bandwidth_gbs.reindex(rows)
                              .to_numpy(), index=df.index)
         device_bandwidth = recorded.fillna(device_bandwidth)
     compute_bound = (df.floor_bound.eq("compute") if "floor_bound" in df
