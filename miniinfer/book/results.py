@@ -24,8 +24,13 @@ def read_results(path) -> pd.DataFrame:
     df = pd.read_csv(path, dtype=TEXT_COLUMNS)
     if {"device", "device_name", "isa"} <= set(df.columns):
         cpu = (df.device == "cpu") & df.isa.notna()
-        df.loc[cpu, "device_name"] = df.device_name[cpu] + " (" + df.isa[cpu] + ")"
+        df.loc[cpu, "device_name"] = with_isa(df.device_name[cpu], df.isa[cpu])
     return df
+
+
+def with_isa(names: pd.Series, isa: pd.Series) -> pd.Series:
+    """A CPU's name as the tables show it: "AMD EPYC (AVX2)"."""
+    return names + " (" + isa + ")"
 
 
 def _is_sweep(path) -> bool:
@@ -193,7 +198,7 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
         # Rows read back name a CPU with its set already (read_results): either form is found.
         isa = df.isa if "isa" in df else pd.Series("", index=df.index)
         rows = pd.MultiIndex.from_arrays([df.device_name, isa])
-        named = pd.concat([table, table.assign(name=table.name + " (" + table.isa + ")")])
+        named = pd.concat([table, table.assign(name=with_isa(table.name, table.isa))])
         recorded = pd.Series(named.set_index(["name", "isa"]).bandwidth_gbs.reindex(rows)
                              .to_numpy(), index=df.index)
         device_bandwidth = recorded.fillna(device_bandwidth)
