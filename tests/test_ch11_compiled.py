@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from miniinfer import SamplingParams, load_model, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.core.kernels import cpu_decode
-from miniinfer.runner import compiled_attention
+from miniinfer.runner import compiled, compiled_attention
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
 from miniinfer.runner.onednn_linear import calls as onednn_calls
@@ -275,6 +275,11 @@ def test_the_onednn_threshold_follows_the_models_dtype_and_the_cpus_vectors(tiny
     assert forward._gemm(16) == "template" and forward._gemm(64) == "aten"
 
 
+# Two small buckets through the autotuned GEMM template (as the stage ships), 16 through oneDNN.
+TEMPLATE_OPTIONS = CompileOptions(token_buckets=(4, 8, 16), onednn_min_tokens=16,
+                                  onednn_min_tokens_avx2=16)
+
+
 @pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
 def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tiny):
     """The other tests compile without autotuning (seconds, not minutes), so none runs
@@ -285,9 +290,7 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
     first rows (SmolLM2's logits off by up to 58; here the hidden states by about 0.1). This
     test autotunes one small bucket's body after the weights are merged and prepacked."""
     engine = make_engine("paged-attention", tiny)
-    options = CompileOptions(token_buckets=(8, 16), onednn_min_tokens=16,
-                             onednn_min_tokens_avx2=16)
-    forward = CompiledForward(tiny.model, engine.kv_cache, options)
+    forward = CompiledForward(tiny.model, engine.kv_cache, TEMPLATE_OPTIONS)
     assert forward._gemm(8) == "template" and forward._gemm(16) == "onednn"
     assert is_prepacked(prepack_model(tiny.model)[0].qkv)  # merged before the graph compiles
     generator = torch.Generator().manual_seed(0)
@@ -306,6 +309,36 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
     assert forward.compile_seconds.keys() == {("body", 8)}
     torch.testing.assert_close(compiled_pool, forward.pool, rtol=1e-4, atol=1e-4)  # K and V
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_template_buckets_hold_one_packed_copy_of_the_weights(tiny):
+    """Each autotuned bucket's graph packs the weights for the template the same way; its
+    copies share the first graph's memory (SmolLM2 on a CPU: 10.4 -> 4.7 GiB for every bucket),
+    the shared graphs still compute what the eager forward does, and compiling leaves no copy
+    of the cache entries in torch's in-memory artifact record."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch.compiler._cache import CacheArtifactManager
+
+    engine = make_engine("paged-attention", tiny)
+    eager = engine.runner.forward
+    forward = CompiledForward(tiny.model, engine.kv_cache, TEMPLATE_OPTIONS)
+    loaded, recorded = len(PyCodeCache.modules), len(CacheArtifactManager._seen_artifacts)
+    forward.warm_up([4, 8])  # the head's graphs are new here, whichever test ran first
+    big = [value for module in PyCodeCache.modules[loaded:] for value in vars(module).values()
+           if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
+           and value.untyped_storage().nbytes() >= compiled.SHARE_MIN_BYTES]
+    assert len(big) >= 2  # the LM head packed by each bucket's head graph
+    held = compiled._CONSTANTS[tiny.model]
+    for value in big:  # one storage per distinct value, the registered one
+        layout = held[(tuple(value.shape), value.stride(), value.dtype, value.device)]
+        (same,) = [t for t in layout if torch.equal(t, value)]
+        assert same.untyped_storage().data_ptr() == value.untyped_storage().data_ptr()
+    assert forward.shared_constant_bytes >= big[0].untyped_storage().nbytes()
+    assert len(CacheArtifactManager._seen_artifacts) == recorded
+    compared = Compared(eager, forward)
+    engine.runner.forward = compared
+    engine.generate(prompts((3, 5)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert {forward.bucket(tokens) for tokens, _, _ in compared.calls} == {4, 8}
 
 
 @pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
