@@ -313,9 +313,9 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
 
 def test_template_buckets_hold_one_packed_copy_of_the_weights(tiny):
     """Each autotuned bucket's graph packs the weights for the template the same way; its
-    copies share the first graph's memory (SmolLM2 on a CPU: 10.4 -> 4.7 GiB for every bucket),
-    the shared graphs still compute what the eager forward does, and compiling leaves no copy
-    of the cache entries in torch's in-memory artifact record."""
+    copies share the first graph's memory (SmolLM2 on a CPU, every bucket compiled: 10.4 ->
+    4.6 GiB resident), the shared graphs still compute what the eager forward does, and
+    compiling leaves no copy of the cache entries in torch's in-memory artifact record."""
     from torch._inductor.codecache import PyCodeCache
     from torch.compiler._cache import CacheArtifactManager
 

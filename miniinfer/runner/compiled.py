@@ -40,7 +40,7 @@ request's blocks into a dense tensor in every layer of every step.
   template the same way, and inductor keeps each graph's packed copy (and, for its in-memory
   "mega-cache", the bytes of each cache entry again). On a CPU the copies that equal one
   already held share its memory, and the cache entries' bytes are let go: SmolLM2-135M's
-  forward held 10.4 GiB after compiling every bucket on our Zen 3, 3.4 GiB with this.
+  process held 10.4 GiB resident after compiling every bucket on our Zen 3, 4.6 GiB with this.
 
 Where ``torch.compile`` cannot run (a torch without the needed inductor, no C++ compiler, a
 platform inductor cannot build for), the forward says why in one warning and runs the eager
