@@ -577,7 +577,8 @@ def _loaded_graph_modules() -> list:
 def share_constants(modules: Sequence, held: dict[tuple, list[torch.Tensor]]) -> int:
     """Make each tensor constant of the graph ``modules`` that equals one in ``held`` (same
     shape, strides, dtype, device and values) share that tensor's memory; the others join
-    ``held``. Returns the bytes no longer held twice.
+    ``held``. Returns the bytes of the constants that now share (their copies are freed unless
+    another view still holds one).
 
     A frozen graph's constants are module globals its code reads at every call, also held by
     inductor's record of the graph; ``set_`` repoints the tensor object itself, so every holder
@@ -599,7 +600,7 @@ def share_constants(modules: Sequence, held: dict[tuple, list[torch.Tensor]]) ->
             if equal is None:
                 same_layout.append(value)
                 continue
-            saved += value.untyped_storage().nbytes()
+            saved += value.numel() * value.element_size()
             with torch.inference_mode(value.is_inference()):
                 value.set_(equal)
     return saved
