@@ -521,6 +521,24 @@ def test_ctrl_c_before_anything_finished_writes_nothing(tmp_path, monkeypatch, c
     assert not out.exists()
 
 
+def _ctrl_c_while_the_main_thread_waits(executor: ThreadPoolExecutor,
+                                       before=lambda: None) -> None:
+    """Every call submitted to ``executor`` from now on raises KeyboardInterrupt in the main
+    thread while it waits for the result (after ``before()``), as Ctrl-C there would."""
+    submit = executor.submit
+
+    def ctrl_c_while_waiting(timeout=None):
+        before()
+        raise KeyboardInterrupt
+
+    def submit_then_interrupt(*args):
+        future = submit(*args)
+        future.result = ctrl_c_while_waiting
+        return future
+
+    executor.submit = submit_then_interrupt
+
+
 def test_ctrl_c_before_the_worker_starts_a_run_cancels_it():
     """Ctrl-C while the main thread waits for a run that the worker thread has not started
     yet: the run must not start (the main thread would wait for all of it). The worker is
@@ -548,17 +566,7 @@ def test_ctrl_c_before_the_worker_starts_a_run_cancels_it():
         executor.submit(handled.wait, 600)  # keeps the one worker thread busy until then
         worker = _Worker(executor)
         worker.lock = LockThatTells()
-        submit = executor.submit
-
-        def ctrl_c_while_waiting() -> None:
-            raise KeyboardInterrupt
-
-        def submit_then_interrupt(*args):
-            future = submit(*args)
-            future.result = ctrl_c_while_waiting
-            return future
-
-        executor.submit = submit_then_interrupt
+        _ctrl_c_while_the_main_thread_waits(executor)
         with pytest.raises(KeyboardInterrupt):
             worker.run(calls.append, "the run")
     assert handled.is_set() and calls == []
@@ -586,18 +594,7 @@ def test_ctrl_c_stops_a_run_whose_worker_lost_the_first_interrupt():
 
     with ThreadPoolExecutor(max_workers=1) as executor:
         worker = _Worker(executor)
-        submit = executor.submit
-
-        def ctrl_c_once_the_run_started(timeout=None):
-            started.wait(600)
-            raise KeyboardInterrupt
-
-        def submit_then_interrupt(*args):
-            future = submit(*args)
-            future.result = ctrl_c_once_the_run_started
-            return future
-
-        executor.submit = submit_then_interrupt
+        _ctrl_c_while_the_main_thread_waits(executor, before=lambda: started.wait(600))
         with pytest.raises(KeyboardInterrupt):
             worker.run(run_that_loses_the_first_interrupt)
     assert len(interrupts) == 2 and worker.busy_thread is None
