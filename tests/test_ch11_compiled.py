@@ -311,6 +311,25 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_forwards_that_differ_only_in_inductor_config_compile_graphs_of_their_own(tiny):
+    """Dynamo hands a compiled graph to any torch.compile with equal options: freezing and the
+    kernel profile, patched in around the calls, once ran the first forward's graphs (chapter
+    11's ablation measured its "+ freezing" row on the unfrozen graphs)."""
+    engine = make_engine("paged-attention", tiny)
+    # A bucket no other test compiles, no autotuning, no ops called out of the graph.
+    plain = CompileOptions(token_buckets=(5,), max_autotune=False, freezing=False,
+                           segment_attention_min_tokens=None, attention_kernel=False,
+                           onednn_min_tokens=None, onednn_min_tokens_avx2=None,
+                           onednn_min_tokens_bf16=None)
+    compiles = {}
+    for name, options in (("plain", plain), ("frozen", replace(plain, freezing=True)),
+                          ("profiled", replace(plain, kernel_profile=True))):
+        forward = CompiledForward(tiny.model, engine.kv_cache, options)
+        forward.warm_up([5])
+        compiles[name] = forward.num_compiles
+    assert compiles == {"plain": 2, "frozen": 2, "profiled": 2}  # a body and a head each
+
+
 def test_template_buckets_hold_one_packed_copy_of_the_weights(tiny):
     """Each autotuned bucket's graph packs the weights for the template the same way; its
     copies share the first graph's memory (SmolLM2 on a CPU, every bucket compiled: 10.4 ->

@@ -283,7 +283,8 @@ def _ch10(gpu: bool) -> list[str] | None:
 
 
 # Chapter 11's tables beside its offline benchmark (``<device>-<table>.csv``).
-CH11_TABLES = ("-compile", "-bf16", "-ablation", "-runs", "-requests", "-steps", "-http", "-profile")
+CH11_TABLES = ("-compile", "-bf16", "-ablation", "-runs", "-requests", "-steps", "-http", "-profile",
+               "-kernels")
 
 
 def _ch11(gpu: bool) -> list[str] | None:

@@ -19,7 +19,9 @@ Each table's rows come from one run, so that its ratios compare like with like:
 - the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
   10 does: ``serve --engine compiled`` and ``vllm serve``, one row per server and round;
 - the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
-  where each engine's time goes, op by op.
+  where each engine's time goes, op by op;
+- the compiled stage's steps of four shapes, kernel by kernel (``<device>-kernels.csv``,
+  :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step.
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 
@@ -96,6 +98,7 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     target = served_experiments(dev, peer)["target"]
     written.append(record_http(lm, target, peer))
     written.append(record_profiles(lm, target, peer))
+    written.append(record_step_kernels(lm))
     # Last: its four compiled forwards' graphs stay in memory with the process.
     written.append(record_ablation(lm))
     return written
@@ -298,6 +301,34 @@ def record_profiles(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool
     for system, ops in table.groupby("system", sort=False):
         print(f"{system}:\n{ops.head(8)[['op', 'calls', 'self_ms', 'share_pct']].to_string(index=False)}")
     path = _path(lm.device, "-profile")
+    table.to_csv(path, index=False)
+    return _wrote(path)[0]
+
+
+def record_step_kernels(lm: LoadedModel, decode_steps: int = 10,
+                        mixed_steps: int = 4) -> Path:
+    """:data:`.step_kernels.SCENARIOS` on the compiled stage, its profiled steps on a forward
+    compiled with inductor's kernel profile (graphs of its own, compiled for the scenarios'
+    four buckets as they first need them) -> ``-kernels.csv``, each scenario's parts in ms
+    per step."""
+    from ..runner.compiled import CompiledForward, CompileOptions
+    from .step_kernels import SCENARIOS, profile_scenario
+
+    engine = make_engine("compiled", lm, warm_up=False)
+    profiled = CompiledForward(lm.model, engine.kv_cache, CompileOptions(kernel_profile=True))
+    try:
+        tables = [profile_scenario(engine, scenario,
+                                   mixed_steps if scenario.new_prompts else decode_steps,
+                                   forward=profiled)
+                  for scenario in SCENARIOS]
+    finally:
+        engine.close()
+    table = pd.concat(tables, ignore_index=True).assign(model=lm.name,
+                                                        **run_metadata(lm.device))
+    for name, parts in table.groupby("scenario", sort=False):
+        print(f"{name}: {parts.step_ms.iloc[0]:.1f} ms a step\n"
+              f"{parts[['part', 'ms_per_step', 'share_pct']].round(1).to_string(index=False)}")
+    path = _path(lm.device, "-kernels")
     table.to_csv(path, index=False)
     return _wrote(path)[0]
 

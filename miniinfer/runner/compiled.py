@@ -136,6 +136,11 @@ class CompileOptions:
     # which reads each context at about twice the speed of inductor's fused loops, where it
     # builds; False: the fused formula, compiled by inductor.
     attention_kernel: bool = True
+    # Every loop and GEMM template inductor generates for a CPU reports itself to
+    # torch.profiler by name (inductor's cpp.enable_kernel_profile), so a profile splits the
+    # graphs' own time (chapter 11's step profile). A setting of inductor's, so its graphs are
+    # compiled and cached apart from the stage's; off, the stage never pays for it.
+    kernel_profile: bool = False
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
@@ -312,16 +317,19 @@ class CompiledForward:
         self.num_compiles = 0  # graphs compiled by this forward, recompiles included
         # Bytes of graph constants that share another graph's equal constant (see _run).
         self.shared_constant_bytes = 0
-        # Config that must hold while dynamo traces, not only while inductor compiles (what
-        # torch.compile's options= covers): freezing decides how dynamo lifts the weights.
-        # And one graph per bucket, for the body and the head each, is more than dynamo keeps
-        # for one function by default (8); forwards with other options (chapter 11's ablation)
-        # add theirs to the same code, and past the limit dynamo would silently run a bucket
-        # eagerly. Our graphs are one per bucket and kind by design (a test keeps the count
-        # flat after warm-up), so the limit only has to be out of the way. Prebuilt patches:
-        # entering one costs ~7 us.
+        # Inductor's config that changes what a graph is: patched in while dynamo traces, not
+        # only while inductor compiles (what torch.compile's options= covers), since freezing
+        # decides how dynamo lifts the weights; and passed as options= too (see _compile).
+        self._graph_config = {"freezing": self.options.freezing,
+                              "cpp.enable_kernel_profile": self.options.kernel_profile}
+        # Patched around every call too: one graph per bucket, for the body and the head each,
+        # is more than dynamo keeps for one function by default (8); forwards with other
+        # options (chapter 11's ablation) add theirs to the same code, and past the limit
+        # dynamo would silently run a bucket eagerly. Our graphs are one per bucket and kind
+        # by design (a test keeps the count flat after warm-up), so the limit only has to be
+        # out of the way. Prebuilt patches: entering one costs ~7 us.
         self._patches = (
-            torch._inductor.config.patch(freezing=self.options.freezing),
+            torch._inductor.config.patch(self._graph_config),
             torch._dynamo.config.patch(recompile_limit=max(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)),
             torch.compiler.config.patch(
@@ -404,6 +412,11 @@ class CompiledForward:
             inductor = {"max_autotune": True,
                         "max_autotune_gemm_backends": self.options.gemm_backends} \
                 if autotune else {}
+        # Dynamo keeps compiled graphs on the code they came from (every _Body's forward) and
+        # hands them to any torch.compile whose options are equal: a forward that differed
+        # only in config patched around the call (freezing, the kernel profile) ran the first
+        # such forward's graphs. In options= they make the compiles differ.
+        inductor.update(self._graph_config)
         # One static graph per bucket (dynamic=False: no automatic dynamic shapes, which would
         # swap a bucket's graph for a slower generic one); only the context width is dynamic.
         return torch.compile(module, dynamic=False, fullgraph=True, options=inductor)

@@ -1,0 +1,173 @@
+"""Chapter 11's step profile: where one compiled step's time goes, kernel by kernel.
+
+The whole-workload profile (:func:`.catching.record_profiles`) shows the code inductor generated
+as one entry, the GEMM templates of the decode buckets inside it. Compiled with inductor's
+kernel profile (``CompileOptions.kernel_profile``), every loop and GEMM template it generates
+is a profiler event of its own, so a step splits into its matmuls (the template's by
+projection; oneDNN's, from 48 tokens on a CPU with AVX2 only and 16 with AVX-512, as one
+part), its attention (the C++ kernel for decodes, SDPA by segment for prompt chunks), the
+fused small ops (RMSNorm, RoPE, SiLU-times-up, the K/V writes, the residual adds), and the
+rest: the graphs' Python wrappers, scheduling, sampling and the profiler's own cost, as the
+step's wall time less the named parts. Each scenario profiles a few steps of one shape: decode
+steps of 1, 8 and 32 requests with contexts of about 256 tokens, and a 512-token step that
+mixes 16 decodes with new prompts, as chapter 08's served steps do.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pandas as pd
+from torch import nn
+
+from ..core.sampling import SamplingParams
+
+# The parts of a step the table names, in the order it lists them (``_part``).
+TEMPLATE_GEMM = "template GEMM"
+ONEDNN = "oneDNN matmuls (every projection)"
+ATTENTION_KERNEL = "attention: C++ kernel (decodes)"
+ATTENTION_SEGMENTS = "attention: SDPA by segment (prompt chunks)"
+FUSED = "fused small ops (norms, RoPE, SiLU-mul, K/V writes)"
+REST = "the rest (graph wrappers, scheduling, sampling, Python, profiler)"
+# Ops whose inclusive time is a part (their children are theirs); every other named part is a
+# leaf event (a generated kernel), counted by its self time.
+_OPS = {"miniinfer::onednn_linear": ONEDNN,
+        "miniinfer::paged_token_attention": ATTENTION_KERNEL,
+        "miniinfer::segment_attention": ATTENTION_SEGMENTS}
+_GEMM_KERNEL = re.compile(r"gemm_m\d+n(\d+)k(\d+)")
+_FUSED_KERNEL = re.compile(r"cpp_fused_")
+
+
+@dataclass(frozen=True, slots=True)
+class StepScenario:
+    """Profiled steps of one shape: ``decodes`` requests decoding, their prompts
+    ``context`` tokens long; with ``new_prompts``, that many prompts of ``new_prompt_len``
+    tokens join every profiled step (each ends with its first token)."""
+
+    name: str
+    decodes: int
+    context: int
+    new_prompts: int = 0
+    new_prompt_len: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.decodes + self.new_prompts * self.new_prompt_len
+
+
+SCENARIOS = (StepScenario("1 decode", 1, 256), StepScenario("8 decodes", 8, 256),
+             StepScenario("32 decodes", 32, 256),
+             StepScenario("16 decodes + 8 prompts of 62", 16, 256, 8, 62))
+
+
+def projection_names(model: nn.Module) -> dict[tuple[int, int], str]:
+    """The model's projections by the (output, input) sizes a GEMM kernel's name gives, the
+    names of those sharing a shape joined (SmolLM2's query and output projections are both
+    576 x 576)."""
+    layer = model.model.layers[0]
+    named = [(n, m) for n, m in [*layer.self_attn.named_children(), *layer.mlp.named_children()]
+             if isinstance(m, nn.Linear)] + [("lm_head", model.lm_head)]
+    by_shape: dict[tuple[int, int], list[str]] = {}
+    for name, linear in named:
+        by_shape.setdefault((linear.out_features, linear.in_features), []).append(name)
+    return {shape: "/".join(names) for shape, names in by_shape.items()}
+
+
+# The kinds of part, in the order a table lists them.
+KINDS = ("matmuls", "attention", "fused small ops", "the rest")
+
+
+def kind_of(part: str) -> int:
+    """Where a part sits in :data:`KINDS` (a table's sort key)."""
+    if part.startswith(TEMPLATE_GEMM) or part == ONEDNN:
+        return 0
+    if part.startswith("attention"):
+        return 1
+    return 2 if part == FUSED else 3
+
+
+def _part(op: str, projections: dict[tuple[int, int], str]) -> str | None:
+    """Which part of the step an event is (None: the rest)."""
+    if op in _OPS:
+        return _OPS[op]
+    if gemm := _GEMM_KERNEL.search(op):
+        shape = (int(gemm[1]), int(gemm[2]))
+        return f"{TEMPLATE_GEMM} {projections.get(shape, f'n{shape[0]} k{shape[1]}')}"
+    if _FUSED_KERNEL.search(op):
+        return FUSED
+    return None
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    """A prompt of ``length`` ids, different for each ``seed``, from the common part of any
+    vocabulary (no special tokens)."""
+    return [(7 * seed + 13 * j) % 4000 + 10 for j in range(length)]
+
+
+def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
+                     warm_steps: int = 3) -> pd.DataFrame:
+    """``steps`` steps of ``scenario`` on ``engine`` (an idle continuous engine) under
+    torch.profiler, after its requests' prompts and ``warm_steps`` unprofiled steps -> one row
+    per part: ``ms_per_step`` and ``share_pct`` of the steps' wall time. ``forward``: the
+    forward the warm and profiled steps run (default: the engine's own), over the engine's
+    pool; the prompts run on the engine's own, so that their odd-sized last steps use graphs
+    the engine has, not new ones compiled for the profile. Raises if a profiled step is not the
+    scenario's shape (the engine scheduled something else)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if engine.has_unfinished_requests():
+        raise RuntimeError("profile_scenario needs an idle engine")
+    projections = projection_names(engine.model)
+    runner = engine.runner
+    own, forward = runner.forward, forward or runner.forward
+    # Enough tokens for every step until the last profiled one: a request whose prompt ends
+    # early decodes in each later prompt step, of which there are at most this many.
+    budget = engine.scheduler.config.max_num_batched_tokens
+    prompt_steps = -(-scenario.decodes * scenario.context // max(budget - scenario.decodes, 1))
+    decoding = SamplingParams(max_new_tokens=prompt_steps + warm_steps + steps + 2,
+                              ignore_eos=True)
+    for i in range(scenario.decodes):
+        engine.add_request(_prompt(i, scenario.context), decoding)
+    seed = scenario.decodes
+
+    def one_step(check: bool) -> float:
+        nonlocal seed
+        for _ in range(scenario.new_prompts):
+            engine.add_request(_prompt(seed, scenario.new_prompt_len),
+                               SamplingParams(max_new_tokens=1, ignore_eos=True))
+            seed += 1
+        step = engine.step()
+        shape = (step.num_decodes, step.num_prefill_tokens)
+        if check and shape != (scenario.decodes, scenario.tokens - scenario.decodes):
+            raise RuntimeError(f"{scenario.name}: a profiled step ran {shape[0]} decodes and "
+                               f"{shape[1]} prompt tokens")
+        return step.end - step.start
+
+    try:
+        while engine.step().num_prefill_tokens:
+            pass  # the prompts, in chunks of the token budget
+        runner.forward = forward
+        for _ in range(warm_steps):
+            one_step(check=False)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wall_s = sum(one_step(check=True) for _ in range(steps))
+    finally:  # the engine idle again and on its own forward, whatever happened
+        runner.forward = own
+        for request_id in list(engine.requests):
+            engine.abort(request_id)
+    parts: dict[str, float] = {}
+    for event in prof.key_averages():
+        part = _part(event.key, projections)
+        if part is not None:
+            us = event.cpu_time_total if event.key in _OPS else event.self_cpu_time_total
+            parts[part] = parts.get(part, 0.0) + us / 1e3
+    parts[REST] = max(wall_s * 1e3 - sum(parts.values()), 0.0)
+    table = pd.DataFrame({"part": list(parts), "ms": list(parts.values())})
+    table = table.assign(ms_per_step=table.ms / steps,
+                         share_pct=100 * table.ms / table.ms.sum()).drop(columns="ms")
+    table = table.sort_values("ms_per_step", ascending=False, ignore_index=True)
+    table = table.sort_values("part", key=lambda parts: parts.map(kind_of), kind="stable",
+                              ignore_index=True)
+    return table.assign(scenario=scenario.name, tokens=scenario.tokens, steps=steps,
+                        step_ms=wall_s * 1e3 / steps)

@@ -1,0 +1,91 @@
+"""Chapter 11's step profile: compiled with inductor's kernel profile, a step's time splits into
+its GEMMs by projection, its attention and its fused small ops, and the parts add up to the
+steps' wall time; a step of another shape than the scenario's is an error, not a row."""
+
+from __future__ import annotations
+
+import pytest
+
+from miniinfer import make_engine
+from miniinfer.book import step_kernels
+from miniinfer.book.step_kernels import (
+    ATTENTION_KERNEL,
+    ATTENTION_SEGMENTS,
+    FUSED,
+    ONEDNN,
+    REST,
+    TEMPLATE_GEMM,
+    StepScenario,
+    profile_scenario,
+    projection_names,
+)
+from miniinfer.runner.compiled import CompileOptions
+from miniinfer.runner.onednn_linear import onednn_available
+
+# Decodes of 2 requests run the autotuned template bucket of 4 tokens; the 16-token bucket
+# (prompts, and the mixed step) runs oneDNN where this torch has it, and attends by segment
+# past its first 4 tokens.
+OPTIONS = CompileOptions(token_buckets=(4, 8, 16), onednn_min_tokens=16,
+                         onednn_min_tokens_avx2=16, segment_attention_min_tokens=16,
+                         fused_attention_rows=4, kernel_profile=True)
+DECODES = StepScenario("2 decodes", 2, 20)
+MIXED = StepScenario("2 decodes + 2 prompts of 7", 2, 20, 2, 7)
+
+
+def test_kernel_names_map_to_the_models_projections(tiny):
+    projections = projection_names(tiny.model)
+    assert projections == {(64, 64): "q_proj/o_proj", (32, 64): "k_proj/v_proj",
+                           (128, 64): "gate_proj/up_proj", (64, 128): "down_proj",
+                           (49152, 64): "lm_head"}
+    part = step_kernels._part
+    assert part("graph_1_gemm_m4n128k64_kernel", projections) == \
+        f"{TEMPLATE_GEMM} gate_proj/up_proj"
+    assert part("graph_3_gemm_m4n7k9_kernel", projections) == f"{TEMPLATE_GEMM} n7 k9"
+    assert part("graph_1_cpp_fused_add_mean_mul_pow_rsqrt_7", projections) == FUSED
+    assert part("miniinfer::paged_token_attention", projections) == ATTENTION_KERNEL
+    assert part("aten::argmax", projections) is None
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    engine = make_engine("compiled", tiny, compile_options=OPTIONS, max_num_batched_tokens=16,
+                         warm_up=False)
+    yield engine
+    engine.close()
+
+
+def _parts(table) -> dict[str, float]:
+    return dict(zip(table.part, table.ms_per_step, strict=True))
+
+
+def test_a_decode_step_splits_into_template_gemms_attention_and_fused_ops(tiny, engine):
+    table = profile_scenario(engine, DECODES, steps=3)
+    parts = _parts(table)
+    gemms = {p.removeprefix(f"{TEMPLATE_GEMM} ") for p in parts if p.startswith(TEMPLATE_GEMM)}
+    # Every projection is a template kernel of its own, named for what it computes.
+    assert gemms == set(projection_names(tiny.model).values())
+    assert parts[FUSED] > 0 and REST in parts and ONEDNN not in parts
+    if engine.runner.forward.reason_fused is None:
+        assert parts[ATTENTION_KERNEL] > 0
+    assert ATTENTION_SEGMENTS not in parts  # decodes only: no prompt chunk
+    assert table.ms_per_step.sum() == pytest.approx(table.step_ms.iloc[0], rel=1e-6)
+    assert table.share_pct.sum() == pytest.approx(100)
+    kinds = list(table.part.map(step_kernels.kind_of))  # matmuls, attention, fused, the rest
+    assert kinds == sorted(kinds) and table.part.iloc[-1] == REST
+    assert (table.scenario == DECODES.name).all() and (table.tokens == 2).all()
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_mixed_step_attends_its_prompt_chunks_by_segment(engine):
+    parts = _parts(profile_scenario(engine, MIXED, steps=2))
+    assert parts[ATTENTION_SEGMENTS] > 0
+    if onednn_available(engine.device):
+        assert parts[ONEDNN] > 0
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_step_of_another_shape_is_an_error_and_leaves_the_engine_idle(engine):
+    # 2 decodes and 2 prompts of 9 tokens are 20 tokens: more than the budget of 16.
+    with pytest.raises(RuntimeError, match="a profiled step ran 2 decodes and 14 prompt"):
+        profile_scenario(engine, StepScenario("too big", 2, 20, 2, 9), steps=2)
+    assert not engine.has_unfinished_requests()
