@@ -22,7 +22,7 @@ RECORDINGS = {
     "server": "the target workload in-process and over HTTP",
     "catching": "offline benchmark, ablation, compile times, the target workload (in-process, "
                 "over HTTP, profiled) and the budget sweep, beside vLLM; bf16 rows where the "
-                "CPU computes in it",
+                "CPU computes in it; steps profiled kernel by kernel",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
 }
 
