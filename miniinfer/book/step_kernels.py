@@ -23,7 +23,7 @@ from torch import nn
 
 from ..core.sampling import SamplingParams
 
-# The parts of a step the table names, in the order it lists them (``_part``).
+# The parts of a step the table names (``_part``); ``kind_of`` orders them.
 TEMPLATE_GEMM = "template GEMM"
 ONEDNN = "oneDNN matmuls (every projection)"
 ATTENTION_KERNEL = "attention: C++ kernel (decodes)"
