@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pandas as pd
 from torch import nn
 
+from ..bench.offline import make_prompts
 from ..core.sampling import SamplingParams
 
 # The parts of a step the table names (``_part``); ``kind_of`` orders them.
@@ -99,12 +100,6 @@ def _part(op: str, projections: dict[tuple[int, int], str]) -> str | None:
     return None
 
 
-def _prompt(seed: int, length: int) -> list[int]:
-    """A prompt of ``length`` ids, different for each ``seed``, from the common part of any
-    vocabulary (no special tokens)."""
-    return [(7 * seed + 13 * j) % 4000 + 10 for j in range(length)]
-
-
 def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
                      warm_steps: int = 3) -> pd.DataFrame:
     """``steps`` steps of ``scenario`` on ``engine`` (an idle continuous engine) under
@@ -127,16 +122,16 @@ def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
     prompt_steps = -(-scenario.decodes * scenario.context // max(budget - scenario.decodes, 1))
     decoding = SamplingParams(max_new_tokens=prompt_steps + warm_steps + steps + 2,
                               ignore_eos=True)
-    for i in range(scenario.decodes):
-        engine.add_request(_prompt(i, scenario.context), decoding)
-    seed = scenario.decodes
+    for prompt in make_prompts(engine.lm, scenario.decodes, scenario.context):
+        engine.add_request(prompt, decoding)
+    seed = 0
 
     def one_step(check: bool) -> float:
         nonlocal seed
-        for _ in range(scenario.new_prompts):
-            engine.add_request(_prompt(seed, scenario.new_prompt_len),
-                               SamplingParams(max_new_tokens=1, ignore_eos=True))
-            seed += 1
+        seed += 1  # new prompts each step
+        for prompt in make_prompts(engine.lm, scenario.new_prompts, scenario.new_prompt_len,
+                                   seed):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
         step = engine.step()
         shape = (step.num_decodes, step.num_prefill_tokens)
         if check and shape != (scenario.decodes, scenario.tokens - scenario.decodes):
