@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="the GPU equality checks need a CUDA device")
 
 # Every stage of chapters 01-09 with the variants a GPU runs differently (HF's modules with the
-# paged kernel, the CUDA-graph loop). Chapter 11's compiled stage and chapter 12's processes are
-# checked by their own tests.
+# paged kernel, the CUDA-graph loop). Chapter 11's compiled stage is checked below, on the tiny
+# model; chapter 12's processes by their own tests.
 STAGES = ("naive", "paged-loop", "paged-vectorized", "paged-prealloc", "paged-attention",
           "paged-attention:registry", "async:overlap", "async:cuda-graph", "continuous",
           "prefix-cache")
@@ -40,3 +40,27 @@ def test_every_stage_matches_hf_on_the_gpu(qwen_bf16, stage):
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     lines = check_engines(qwen_bf16, stage, ragged_prompts(), params)
     assert len(lines) == 2 and "token for token" in lines[0], lines  # fp32 exact, then bf16
+
+
+def test_compiled_stage_matches_hf_under_cuda_graphs():
+    """Chapter 11's stage on a GPU runs its graphs under CUDA graphs (inductor's cudagraph
+    trees), where one graph's output fed to the next (body to head) was overwritten before it
+    was read (the H200, 2026-11-27). Tiny model in fp32, a few buckets, no GEMM autotuning (to
+    compile in seconds): greedy tokens equal hf's, with batches that change from step to step
+    (ragged prompts finish prefill in different chunks)."""
+    from miniinfer.core.models import load_model
+    from miniinfer.engines import make_engine
+    from miniinfer.engines.compiled import CompiledEngine
+    from miniinfer.runner.compiled import CompileOptions
+
+    lm = load_model("tiny", device="cuda", dtype="float32")
+    engine = CompiledEngine(lm, compile_options=CompileOptions(token_buckets=(1, 8, 64),
+                                                               max_autotune=False))
+    assert engine.runner.forward.compiled
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ragged_prompts()  # ids below tiny's vocabulary (SmolLM2's, 49152)
+    want = make_engine("hf", lm).generate(prompts, params).token_ids
+    compiled = engine.runner.forward.num_compiles  # every bucket's graphs, at warm-up
+    for batch in (prompts[:1], prompts):
+        assert engine.generate(batch, params).token_ids == want[:len(batch)]
+    assert engine.runner.forward.num_compiles == compiled  # no step recompiled

@@ -522,9 +522,18 @@ class CompiledForward:
         loaded = len(_loaded_graph_modules())
         # Any call may compile (a first one, or a recompile: which the guards decide), so
         # none adds to the in-memory artifact record (about 12 us a call).
+        if self.device.type == "cuda":
+            # Under CUDA graphs (inductor's cudagraph trees) a graph's output lives in memory
+            # its next replay overwrites, and feeding one graph's output to the next (body to
+            # head) failed on an H200 ("accessing tensor output of CUDAGraphs that has been
+            # overwritten"). Each call starts a step of its own and its output is copied out:
+            # a hidden state or a step's logits, small beside the weights the step reads.
+            torch.compiler.cudagraph_mark_step_begin()
         with self._patches[0], self._patches[1], self._patches[2], \
                 _onednn_disabled() if first else nullcontext(), _no_mega_cache():
             out = graph(*args)
+        if self.device.type == "cuda":
+            out = out.clone()
         if first:
             self._compiled.add(key)
         if stats["unique_graphs"] != graphs:
