@@ -4,11 +4,15 @@
 # even when one before it failed; what was recorded is packed into $OUT after each step, so a
 # call cut off at its limit still brings back what it finished.
 #
-#   bash scripts/gpu_session.sh BUDGET_S STEP...     STEP: env, tests, device, NN (a chapter)
+#   bash scripts/gpu_session.sh BUDGET_S STEP...
+#   STEP: env, tests, device, compiled (chapter 11's stage: scripts/gpu_compiled.py), NN (a chapter)
 #
-# The next session, from `repro all --dry-run --device cuda` (fitted to the H100): a first call
-#   bash scripts/gpu_session.sh 540 env tests device 10 07 01 02     (about 7 minutes)
-# then, if the budget allows, `03` (about 3.3 minutes).
+# A session has 15 minutes of device time, a machine's start 1-2 of them. Recorded so far:
+# chapters 01-03 (not 03's context sweep) and 05-10 on an H200 or an H100. The next session, a
+# first call (timeout_s 600)
+#   bash scripts/gpu_session.sh 545 env tests compiled 04     (tests ~80 s; compiled capped at
+#                                                               300 s, its Qwen compile unmeasured)
+# then, on the warm machine at once, what is left of `04` or `03` (its sweep, ~3.3 minutes).
 #
 # The machine has its own python3 with torch and triton; what the book needs beyond them travels
 # as wheels in .whl/ and SmolLM2's tokenizer (which the random-weight Qwen uses) in .gpu_cache/,
