@@ -320,3 +320,29 @@ def test_bools_are_refused_as_token_ids_and_as_sizes(tiny):
     assert engine.add_request([5, 6, 7]) is not None  # ints still are
     with pytest.raises(InvalidRequestError, match=r"max_num_seqs must be an integer >= 1, got True"):
         SchedulerConfig(max_num_seqs=True)
+
+
+def test_a_batch_is_stamped_when_every_request_has_its_kth_token(tiny, monkeypatch):
+    """``generate``'s stamps, which the offline benchmark reads as the time to first token and
+    the decode steps: four prompts of 12 tokens under a budget of 16 prefill over three steps,
+    and the first stamp is the step that gave the last of them its first token (a static
+    batch's and vLLM's meaning), not the first step that gave anyone one."""
+    engine = make_engine("continuous", tiny, max_num_batched_tokens=16)
+    steps = []
+
+    def step(original=engine.step):
+        steps.append(original())
+        return steps[-1]
+
+    monkeypatch.setattr(engine, "step", step)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    result = engine.generate([list(range(20 + 12 * i, 32 + 12 * i)) for i in range(4)], params)
+    seen, all_started = set(), None
+    for s in steps:
+        seen.update(r.request_id for r in s.outputs)
+        if len(seen) == 4 and all_started is None:
+            all_started = s
+    emitting = [s for s in steps if s.outputs]
+    assert emitting[0] is not all_started and len(emitting) > 4  # the prefill was staggered
+    assert result.token_times[0] == all_started.end
+    assert len(result.token_times) == 4 and result.token_times[-1] == steps[-1].end

@@ -6,6 +6,7 @@ import operator
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import ClassVar
 
 import torch
@@ -19,8 +20,10 @@ from ..core.sampling import SamplingParams
 class GenerationResult:
     """Generated ids per prompt (EOS included when a request stopped on it) and step times.
 
-    ``token_times`` holds one ``perf_counter`` stamp per decode step, taken once that step's
-    tokens are on the host; the first stamp is the end of prefill (time to first token).
+    ``token_times`` holds one ``perf_counter`` stamp per output position ``k``: when every
+    prompt's ``k``-th token was on the host. The first is the batch's time to first token, the
+    gaps its decode steps. A static batch stamps each step; an engine whose requests advance at
+    different steps builds them with :func:`batch_token_times`.
     """
 
     token_ids: list[list[int]]
@@ -36,6 +39,16 @@ class GenerationResult:
     def decode_step_s(self) -> list[float]:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+def batch_token_times(per_request: Iterable[Sequence[float]]) -> list[float]:
+    """A batch's ``token_times`` from each request's own stamps: for each position ``k``, the
+    latest request's ``k``-th token (one that stopped early no longer counts). With continuous
+    batching a long batch of prompts takes several steps to prefill, and the first step's end
+    is only the first request's first token: stamping steps would make the "time to first
+    token" and the decode steps of a continuous engine mean something else than a static
+    batch's, or a peer's."""
+    return [max(t for t in ts if t is not None) for ts in zip_longest(*per_request)]
 
 
 class Engine:

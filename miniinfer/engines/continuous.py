@@ -45,7 +45,7 @@ from ..core.ranges import phase
 from ..core.sampling import SamplingParams, make_generator, sample_batch
 from ..core.scheduler import FinishReason, Request, RequestTimeline, Scheduler, SchedulerConfig
 from ..runner import ModelRunner
-from .base import Engine, GenerationResult
+from .base import Engine, GenerationResult, batch_token_times
 
 
 @dataclass(slots=True)
@@ -217,24 +217,23 @@ class ContinuousEngine(Engine):
                     f"pool of {manager.num_blocks}")
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
-        """All prompts arrive at once; one stamp per step that produced tokens."""
+        """All prompts arrive at once; the batch's stamps from its requests' own."""
         if self.requests:
             raise MiniInferError(f"generate needs an idle engine; {len(self.requests)} requests "
                                  f"added with add_request are still unfinished")
         start = time.perf_counter()
         ids = [self._enqueue(prompt, params) for prompt in prompts]
         finished: dict[RequestId, Request] = {}
-        token_times = []
         try:
             while self.requests:
                 result = self.step()
-                if result.outputs:
-                    token_times.append(result.end)
                 finished.update((r.request_id, r) for r in result.outputs if r.finished)
         finally:
             for rid in ids:  # interrupted: nothing stays queued or holds blocks
                 self.abort(rid)
-        return GenerationResult([finished[rid].output_ids for rid in ids], start, token_times,
+        requests = [finished[rid] for rid in ids]
+        return GenerationResult([r.output_ids for r in requests], start,
+                                batch_token_times(r.timeline.token_times for r in requests),
                                 time.perf_counter())
 
     # -- one step ---------------------------------------------------------------------------
