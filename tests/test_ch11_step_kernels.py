@@ -89,3 +89,29 @@ def test_a_step_of_another_shape_is_an_error_and_leaves_the_engine_idle(engine):
     with pytest.raises(RuntimeError, match="a profiled step ran 2 decodes and 14 prompt"):
         profile_scenario(engine, StepScenario("too big", 2, 20, 2, 9), steps=2)
     assert not engine.has_unfinished_requests()
+
+
+class _WindowPeer:
+    """A vLLM peer's profiled window, as its driver answers it (ms over 2 steps of 100 ms)."""
+
+    def profile_decode_steps(self, prompts, warm_steps, steps):
+        self.asked = (len(prompts), {len(p) for p in prompts}, warm_steps, steps)
+        ops = {"_C::onednn_mm": 120.0, "_C::cpu_attention_with_kv_cache": 30.0,
+               "_C::cpu_attn_reshape_and_cache": 4.0, "vllm::unified_attention_with_output": 2.0,
+               "## Call CompiledFxGraph fkh3x2 ##": 6.0, "aten::view": 1.0}
+        return {"steps": 2, "wall_s": 0.2,
+                "ops": [{"op": op, "calls": 2, "self_ms": ms, "total_ms": ms}
+                        for op, ms in ops.items()]}
+
+
+def test_vllms_decode_window_splits_into_the_same_kinds(tiny):
+    peer = _WindowPeer()
+    table = step_kernels.profile_vllm_decodes(peer, tiny, DECODES, steps=2, warm_steps=3)
+    assert peer.asked == (2, {20}, 3, 2)
+    assert _parts(table) == pytest.approx({
+        ONEDNN: 60.0, step_kernels.VLLM_ATTENTION: 18.0, step_kernels.VLLM_GRAPHS: 3.0,
+        REST: 19.0})  # 100 ms a step less the named parts (aten::view among the rest)
+    assert set(table.system) == {"vLLM"} and table.step_ms.iloc[0] == pytest.approx(100.0)
+    assert [step_kernels.kind_of(p) for p in table.part] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="decode steps only"):
+        step_kernels.profile_vllm_decodes(peer, tiny, MIXED, steps=2)

@@ -328,6 +328,31 @@ def test_a_profiled_job_answers_its_run_and_every_op_by_self_time(tiny, fake_vll
     assert [op["self_ms"] for op in ops] == sorted((op["self_ms"] for op in ops), reverse=True)
 
 
+def test_a_profiled_window_is_the_decode_steps_after_every_first_token(tiny, fake_vllm):
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
+    try:
+        window = engine.profile_decode_steps([[1, 2], [7]], warm_steps=2, steps=3)
+    finally:
+        engine.close()
+    assert window["steps"] == 3 and window["wall_s"] > 0 and isinstance(window["ops"], list)
+
+
+@pytest.mark.parametrize(("max_tokens", "message"), [
+    ((9, 9), "the run ended 8 steps after every request had its first token; the window needs 9"),
+    ((9, 5), "a profiled step gave 1 of 2 requests a token"),
+])
+def test_a_window_the_run_cannot_fill_is_an_error(tiny, fake_vllm, max_tokens, message):
+    # warm 6 + 3 steps after the first token's step: 10 tokens each needed.
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
+    try:
+        with pytest.raises(PeerFailedError, match=message):
+            engine.process.ask({"requests": [{"prompt_ids": [1], "max_tokens": n}
+                                             for n in max_tokens],
+                                "profile_steps": {"warm_steps": 6, "steps": 3}})
+    finally:
+        engine.close()
+
+
 def test_vllms_own_engine_core_process_is_one_argument_away(tiny, fake_vllm):
     engine = VLLMEngine(tiny, install=fake_vllm, in_process=False)
     try:
@@ -478,6 +503,22 @@ def test_real_vllm_serves_a_workload(real_engine):
     assert [len(r.output_ids) for r in run.requests] == [w.max_new_tokens for w in workload]
     assert all(len(r.timeline.token_times) == w.max_new_tokens
                for r, w in zip(run.requests, workload, strict=True))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_real_vllm_profiled_window_holds_exactly_its_decode_steps(real_engine):
+    lm, _ = real_engine
+    engine = VLLMEngine(lm, in_process=True)  # where the profiler sees the model's ops
+    try:
+        window = engine.profile_decode_steps(make_prompts(lm, 2, 16), warm_steps=1, steps=3)
+    finally:
+        engine.close()
+    calls = {op["op"]: op["calls"] for op in window["ops"]}
+    # Per decode step, one matmul per fused projection (qkv, o, gate_up, down) in every layer
+    # and the LM head's: three steps' worth, none of the prompts'.
+    assert calls["_C::onednn_mm"] == 3 * (4 * lm.config.num_hidden_layers + 1)
+    assert window["steps"] == 3 and window["wall_s"] > 0
 
 
 @needs_vllm

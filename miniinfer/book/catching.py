@@ -98,7 +98,7 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     target = served_experiments(dev, peer)["target"]
     written.append(record_http(lm, target, peer))
     written.append(record_profiles(lm, target, peer))
-    written.append(record_step_kernels(lm))
+    written.append(record_step_kernels(lm, with_peer=peer))
     # Last: its four compiled forwards' graphs stay in memory with the process.
     written.append(record_ablation(lm))
     return written
@@ -305,16 +305,19 @@ def record_profiles(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool
     return _wrote(path)[0]
 
 
-def record_step_kernels(lm: LoadedModel, decode_steps: int = 10,
-                        mixed_steps: int = 4) -> Path:
+def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: int = 4,
+                        with_peer: bool = False) -> Path:
     """:data:`.step_kernels.SCENARIOS` on the compiled stage, its profiled steps on a forward
     compiled with inductor's kernel profile (graphs of its own, compiled for the scenarios'
-    four buckets as they first need them) -> ``-kernels.csv``, each scenario's parts in ms
-    per step."""
+    four buckets as they first need them), and ``with_peer`` the decode scenarios on vLLM
+    (its engine core in its driver's process, the same token budget) -> ``-kernels.csv``,
+    each system's and scenario's parts in ms per step."""
+    from ..bench.peers.vllm_peer import VLLMEngine
     from ..runner.compiled import CompiledForward, CompileOptions
-    from .step_kernels import SCENARIOS, profile_scenario
+    from .step_kernels import SCENARIOS, profile_scenario, profile_vllm_decodes
 
     engine = make_engine("compiled", lm, warm_up=False)
+    budget = engine.scheduler.config.max_num_batched_tokens
     profiled = CompiledForward(lm.model, engine.kv_cache, CompileOptions(kernel_profile=True))
     try:
         tables = [profile_scenario(engine, scenario,
@@ -323,10 +326,18 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10,
                   for scenario in SCENARIOS]
     finally:
         engine.close()
+    if with_peer:
+        vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
+        try:
+            tables += [profile_vllm_decodes(vllm, lm, scenario, decode_steps).assign(
+                peer_version=vllm.version) for scenario in SCENARIOS
+                if not scenario.new_prompts]
+        finally:
+            vllm.close()
     table = pd.concat(tables, ignore_index=True).assign(model=lm.name,
                                                         **run_metadata(lm.device))
-    for name, parts in table.groupby("scenario", sort=False):
-        print(f"{name}: {parts.step_ms.iloc[0]:.1f} ms a step\n"
+    for (system, name), parts in table.groupby(["system", "scenario"], sort=False):
+        print(f"{system}, {name}: {parts.step_ms.iloc[0]:.1f} ms a step\n"
               f"{parts[['part', 'ms_per_step', 'share_pct']].round(1).to_string(index=False)}")
     path = _path(lm.device, "-kernels")
     table.to_csv(path, index=False)

@@ -11,6 +11,10 @@ rest: the graphs' Python wrappers, scheduling, sampling and the profiler's own c
 step's wall time less the named parts. Each scenario profiles a few steps of one shape: decode
 steps of 1, 8 and 32 requests with contexts of about 256 tokens, and a 512-token step that
 mixes 16 decodes with new prompts, as chapter 08's served steps do.
+
+vLLM's decode steps split the same way (:func:`profile_vllm_decodes`): its driver profiles a
+window of decode steps of the whole batch, and its ops fall into the same kinds (its matmuls are
+oneDNN calls by name, its attention a kernel of its own, its small ops inductor's code).
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ _OPS = {"miniinfer::onednn_linear": ONEDNN,
         "miniinfer::segment_attention": ATTENTION_SEGMENTS}
 _GEMM_KERNEL = re.compile(r"gemm_m\d+n(\d+)k(\d+)")
 _FUSED_KERNEL = re.compile(r"cpp_fused_")
+# vLLM's parts, every op by its self time: its attention with the wrappers around it and its
+# K/V writes (which our step counts among the fused ops), and its compiled graphs' own code
+# (inductor's loops for its norms, RoPE and SiLU-mul; their calls out are the named ops).
+VLLM_ATTENTION = "attention: vLLM's CPU kernel, its K/V writes and wrappers"
+VLLM_GRAPHS = "compiled graphs' own code (norms, RoPE, SiLU-mul)"
+_VLLM_OPS = {"_C::onednn_mm": ONEDNN, "_C::cpu_attention_with_kv_cache": VLLM_ATTENTION,
+             "_C::cpu_attn_reshape_and_cache": VLLM_ATTENTION,
+             "vllm::unified_attention_with_output": VLLM_ATTENTION,
+             "vllm::unified_kv_cache_update": VLLM_ATTENTION}
+_COMPILED_GRAPH_CALL = re.compile(r"^## Call CompiledFxGraph .* ##$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +99,7 @@ def kind_of(part: str) -> int:
         return 0
     if part.startswith("attention"):
         return 1
-    return 2 if part == FUSED else 3
+    return 2 if part in (FUSED, VLLM_GRAPHS) else 3
 
 
 def _part(op: str, projections: dict[tuple[int, int], str]) -> str | None:
@@ -157,12 +171,37 @@ def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
         if part is not None:
             us = event.cpu_time_total if event.key in _OPS else event.self_cpu_time_total
             parts[part] = parts.get(part, 0.0) + us / 1e3
-    parts[REST] = max(wall_s * 1e3 - sum(parts.values()), 0.0)
+    return _parts_table(parts, wall_s, steps, scenario, "compiled")
+
+
+def profile_vllm_decodes(peer, lm, scenario: StepScenario, steps: int,
+                         warm_steps: int = 3) -> pd.DataFrame:
+    """``steps`` decode steps of ``scenario`` (decodes only) on ``peer``, a vLLM engine built
+    in its driver's process, after its prompts and ``warm_steps`` steps -> the rows of
+    :func:`profile_scenario`, in vLLM's parts."""
+    if scenario.new_prompts:
+        raise ValueError(f"{scenario.name}: vLLM's profiled window holds decode steps only")
+    window = peer.profile_decode_steps(make_prompts(lm, scenario.decodes, scenario.context),
+                                       warm_steps, steps)
+    parts: dict[str, float] = {}
+    for op in window["ops"]:
+        part = _VLLM_OPS.get(op["op"]) or (VLLM_GRAPHS if _COMPILED_GRAPH_CALL.match(op["op"])
+                                           else None)
+        if part is not None:
+            parts[part] = parts.get(part, 0.0) + op["self_ms"]
+    return _parts_table(parts, window["wall_s"], window["steps"], scenario, "vLLM")
+
+
+def _parts_table(parts: dict[str, float], wall_s: float, steps: int, scenario: StepScenario,
+                 system: str) -> pd.DataFrame:
+    """Named parts' ms over ``steps`` steps of ``wall_s`` -> one row per part, the rest (the
+    wall time less the named parts) included, in :data:`KINDS` order."""
+    parts = {**parts, REST: max(wall_s * 1e3 - sum(parts.values()), 0.0)}
     table = pd.DataFrame({"part": list(parts), "ms": list(parts.values())})
     table = table.assign(ms_per_step=table.ms / steps,
                          share_pct=100 * table.ms / table.ms.sum()).drop(columns="ms")
     table = table.sort_values("ms_per_step", ascending=False, ignore_index=True)
     table = table.sort_values("part", key=lambda parts: parts.map(kind_of), kind="stable",
                               ignore_index=True)
-    return table.assign(scenario=scenario.name, tokens=scenario.tokens, steps=steps,
-                        step_ms=wall_s * 1e3 / steps)
+    return table.assign(system=system, scenario=scenario.name, tokens=scenario.tokens,
+                        steps=steps, step_ms=wall_s * 1e3 / steps)

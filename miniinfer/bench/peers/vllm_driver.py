@@ -9,12 +9,16 @@ stops at the end of stdin. A job::
 
     {"requests": [{"prompt_ids": [...], "max_tokens": 64, "arrival_s": 0.0}, ...],
      "sampling": {"temperature": 0.0, "ignore_eos": true, ...},
-     "warmup": 0, "repeat": 1, "reset_prefix_cache": true, "profile": false}
+     "warmup": 0, "repeat": 1, "reset_prefix_cache": true, "profile": false,
+     "profile_steps": null}
 
 its answer ``{"runs": [{"duration_s": ..., "requests": [{"token_ids": [...], "scheduled_s":
 ..., "token_times_s": [...]}, ...]}, ...]}`` (one run per repeat, times in seconds from the
 run's start), with ``"ops": [{"op": ..., "calls": ..., "self_ms": ..., "total_ms": ...}, ...]``
-for a profiled job (the last run's, under torch.profiler), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
+for a profiled job (the last run's, under torch.profiler), ``"window": {"steps": n,
+"wall_s": ..., "ops": [...]}`` for a job with ``"profile_steps": {"warm_steps": w, "steps":
+n}`` (the last run's steps ``w + 1`` to ``w + n`` after every request had its first token, all
+decodes then, under torch.profiler: a decode step of the batch alone), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
 else that writes to file descriptor 1 (its engine process too), go to stderr.
 
 A run is what ``LLM.generate`` does with every request at once, the engine's own ``step()``
@@ -51,10 +55,13 @@ def _sampling_params(max_tokens: int, sampling: dict[str, Any]):
                           detokenize=False, **sampling)
 
 
-def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any]) -> dict[str, Any]:
+def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any],
+               window: dict[str, int] | None = None) -> dict[str, Any]:
     """One run: every request added at its arrival, the engine stepped until all are done;
-    each new token stamped when the step that made it returns."""
+    each new token stamped when the step that made it returns. ``window``: profile some decode
+    steps (see the module's docstring)."""
     engine = llm.llm_engine
+    profiler = _StepWindow(window, len(requests)) if window else None
     order = sorted(range(len(requests)), key=lambda i: requests[i].get("arrival_s", 0.0))
     params = [_sampling_params(r["max_tokens"], sampling) for r in requests]
     out = [{"token_ids": [], "scheduled_s": None, "token_times_s": []} for _ in requests]
@@ -71,17 +78,66 @@ def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any]) ->
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": requests[i]["prompt_ids"]},
                                params[i])
             out[i]["scheduled_s"] = time.perf_counter() - start
-        for output in engine.step():
+        if profiler is not None:
+            profiler.before_step(not order and all(r["token_ids"] for r in out))
+        outputs = engine.step()
+        if profiler is not None:
+            profiler.after_step(len(outputs))
+        for output in outputs:
             stamp = time.perf_counter() - start
             record = out[int(output.request_id.rpartition("-")[2])]
             new = list(output.outputs[0].token_ids)
             record["token_ids"] += new
             record["token_times_s"] += [stamp] * len(new)
-    return {"duration_s": time.perf_counter() - start, "requests": out}
+    run = {"duration_s": time.perf_counter() - start, "requests": out}
+    return run if profiler is None else {**run, "window": profiler.result()}
+
+
+class _StepWindow:
+    """torch.profiler over ``window["steps"]`` engine steps, which start ``window["warm_steps"]``
+    steps after every request has its first token; each must give every request a token."""
+
+    def __init__(self, window: dict[str, int], num_requests: int) -> None:
+        self.warm, self.steps, self.num_requests = window["warm_steps"], window["steps"], \
+            num_requests
+        self.after_first = 0  # steps since every request had its first token
+        self.prof, self.wall_s, self.step_start = None, 0.0, None
+
+    def before_step(self, all_started: bool) -> None:
+        self.step_start = None
+        if not all_started:
+            return
+        self.after_first += 1
+        if self.after_first == self.warm + 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            self.prof = profile(activities=[ProfilerActivity.CPU])
+            self.prof.start()
+        if self.warm < self.after_first <= self.warm + self.steps:
+            self.step_start = time.perf_counter()
+
+    def after_step(self, num_outputs: int) -> None:
+        if self.step_start is None:
+            return
+        self.wall_s += time.perf_counter() - self.step_start
+        last = self.after_first == self.warm + self.steps
+        if last or num_outputs != self.num_requests:
+            self.prof.stop()
+        if num_outputs != self.num_requests:
+            raise RuntimeError(f"a profiled step gave {num_outputs} of {self.num_requests} "
+                               f"requests a token: not a decode step of the whole batch")
+
+    def result(self) -> dict[str, Any]:
+        if self.after_first < self.warm + self.steps:
+            raise RuntimeError(f"the run ended {self.after_first} steps after every request "
+                               f"had its first token; the window needs "
+                               f"{self.warm + self.steps}")
+        return {"steps": self.steps, "wall_s": self.wall_s, "ops": _ops(self.prof)}
 
 
 def run_job(llm, job: dict[str, Any]) -> dict[str, Any]:
     requests, sampling = job["requests"], job.get("sampling", {})
+    window = job.get("profile_steps")
     for _ in range(job.get("warmup", 0)):
         serve_once(llm, requests, sampling)
     runs, ops = [], None
@@ -92,7 +148,7 @@ def run_job(llm, job: dict[str, Any]) -> dict[str, Any]:
             runs.append(None)
             runs[-1], ops = profiled(lambda: serve_once(llm, requests, sampling))
         else:
-            runs.append(serve_once(llm, requests, sampling))
+            runs.append(serve_once(llm, requests, sampling, window))
     return {"runs": runs} if ops is None else {"runs": runs, "ops": ops}
 
 
@@ -104,9 +160,14 @@ def profiled(run) -> tuple[Any, list[dict[str, Any]]]:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         result = run()
+    return result, _ops(prof)
+
+
+def _ops(prof) -> list[dict[str, Any]]:
+    """Every op's calls, self and inclusive time under ``prof``, by self time."""
     ops = [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
             "total_ms": e.cpu_time_total / 1e3} for e in prof.key_averages()]
-    return result, sorted(ops, key=lambda op: -op["self_ms"])
+    return sorted(ops, key=lambda op: -op["self_ms"])
 
 
 def _engine_facts(llm) -> dict[str, Any]:

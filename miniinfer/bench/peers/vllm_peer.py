@@ -21,7 +21,6 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from ...core.errors import InvalidRequestError
 from ...core.models import LoadedModel, smollm2_cache
 from ...core.sampling import SamplingParams
 from ...engines import Engine, GenerationResult, make_engine
+from ...engines.base import batch_token_times
 from . import PEERS_DIR, VLLM, PeerInstall, find_vllm
 
 DRIVER = PEERS_DIR / "vllm_driver.py"
@@ -265,14 +265,24 @@ class VLLMEngine(Engine):
                                    "warmup": warmup, "repeat": 1, "profile": True})
         return answer["runs"][0], answer["ops"]
 
+    def profile_decode_steps(self, prompts: list[list[int]], warm_steps: int,
+                             steps: int) -> dict[str, Any]:
+        """``steps`` decode steps of the whole batch of ``prompts`` under torch.profiler,
+        ``warm_steps`` after every prompt had its first token (greedy, one plain run first):
+        ``{"steps", "wall_s", "ops"}``, the ops by self time (see :mod:`.vllm_driver`)."""
+        requests = [{"prompt_ids": p, "max_tokens": warm_steps + steps + 2} for p in prompts]
+        answer = self.process.ask({"requests": requests,
+                                   "sampling": _sampling(SamplingParams(ignore_eos=True)),
+                                   "warmup": 1, "repeat": 1,
+                                   "profile_steps": {"warm_steps": warm_steps, "steps": steps}})
+        return answer["runs"][0]["window"]
+
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
         start = time.perf_counter()
         (run,) = self.run([{"prompt_ids": p, "max_tokens": params.max_new_tokens}
                            for p in prompts], params)
         rows = run["requests"]
-        # The batch's step stamps: a step is done when its last request's token is out.
-        steps = [max(t for t in ts if t is not None)
-                 for ts in zip_longest(*(r["token_times_s"] for r in rows))]
+        steps = batch_token_times(r["token_times_s"] for r in rows)
         return GenerationResult([r["token_ids"] for r in rows], start,
                                 [start + t for t in steps], start + run["duration_s"])
 
