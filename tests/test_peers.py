@@ -509,9 +509,11 @@ def test_real_vllm_serves_a_workload(real_engine):
 @pytest.mark.slow
 def test_real_vllm_profiled_window_holds_exactly_its_decode_steps(real_engine):
     lm, _ = real_engine
-    engine = VLLMEngine(lm, in_process=True)  # where the profiler sees the model's ops
+    # In process, where the profiler sees the model's ops; a budget of a third of the prompts'
+    # 96 tokens, so the first prompt decodes while the last ones prefill, for 3 steps or more.
+    engine = VLLMEngine(lm, in_process=True, max_num_batched_tokens=32)
     try:
-        window = engine.profile_decode_steps(make_prompts(lm, 2, 16), warm_steps=1, steps=3)
+        window = engine.profile_decode_steps(make_prompts(lm, 4, 24), warm_steps=1, steps=3)
     finally:
         engine.close()
     calls = {op["op"]: op["calls"] for op in window["ops"]}

@@ -270,7 +270,11 @@ class VLLMEngine(Engine):
         """``steps`` decode steps of the whole batch of ``prompts`` under torch.profiler,
         ``warm_steps`` after every prompt had its first token (greedy, one plain run first):
         ``{"steps", "wall_s", "ops"}``, the ops by self time (see :mod:`.vllm_driver`)."""
-        requests = [{"prompt_ids": p, "max_tokens": warm_steps + steps + 2} for p in prompts]
+        # A prompt prefilled in the first chunk decodes while the others prefill, and must not
+        # finish before the window ends: room for every chunk of the prompts besides.
+        prompt_steps = -(-sum(map(len, prompts)) // self.engine_config["max_num_batched_tokens"])
+        requests = [{"prompt_ids": p, "max_tokens": prompt_steps + warm_steps + steps + 2}
+                    for p in prompts]
         answer = self.process.ask({"requests": requests,
                                    "sampling": _sampling(SamplingParams(ignore_eos=True)),
                                    "warmup": 1, "repeat": 1,
