@@ -66,8 +66,7 @@ def _ch00(gpu: bool) -> list[str] | None:
         chapters = paged.stage_chapter
         first = (f"the eager stages of chapters {chapters.min()}-{chapters.max()} end between "
                  f"{eager.min():.0f}% and {eager.max():.0f}% of hf at batch {batch}: a step is "
-                 f"the host launching its "
-                 f"kernels one op at a time"
+                 f"the host launching its kernels one op at a time"
                  + (f"; chapter 07's CUDA graph replays them at {graph.iloc[0]:.0f}%;"
                     if len(graph) else ";"))
         if serving is None or prefix is None:
@@ -123,22 +122,19 @@ def _ch03(gpu: bool) -> list[str] | None:
     sweep = on_device(recorded_context_sweeps("03"), gpu)
     if df.empty:
         return None
-    ratios = (f"`paged-vectorized` at {pcts(df, 'paged-vectorized')}, `paged-loop` at "
-              f"{pcts(df, 'paged-loop')}")
+    lines = [f"`paged-vectorized` at {pcts(df, 'paged-vectorized')}, `paged-loop` at "
+             f"{pcts(df, 'paged-loop')};"]
     if sweep.empty:  # a device whose run ended before its context sweep (the H200's)
-        b = int(df.batch_size.max())
-        step = df[df.batch_size == b].set_index("engine").step_ms
-        return [f"{ratios};",
-                f"at batch {b} a step takes {step['paged-loop']:.1f} ms with the loop, "
-                f"{step['paged-vectorized']:.1f} ms vectorized and {step['hf']:.1f} ms in hf "
-                f"(no context sweep recorded on this device)."]
+        b, step = int(df.batch_size.max()), df.set_index(["batch_size", "engine"]).step_ms
+        return lines + [f"at batch {b} a step takes {step[b, 'paged-loop']:.1f} ms with the loop, "
+                        f"{step[b, 'paged-vectorized']:.1f} ms vectorized and {step[b, 'hf']:.1f}"
+                        f" ms in hf (no context sweep recorded on this device)."]
     loop = sweep[sweep.engine == "paged-loop"].set_index("context_len").step_ms.sort_index()
     vec = sweep[sweep.engine == "paged-vectorized"].set_index("context_len").step_ms.sort_index()
-    return [f"{ratios};",
-            f"from {loop.index[0]} to {loop.index[-1]} tokens of context the loop's step grows "
-            f"{loop.iloc[-1] / loop.iloc[0]:.1f}x and the vectorized one's "
-            f"{vec.iloc[-1] / vec.iloc[0]:.1f}x (batch {sweep.batch_size.iloc[0]}, one run per "
-            f"point)."]
+    return lines + [f"from {loop.index[0]} to {loop.index[-1]} tokens of context the loop's step "
+                    f"grows {loop.iloc[-1] / loop.iloc[0]:.1f}x and the vectorized one's "
+                    f"{vec.iloc[-1] / vec.iloc[0]:.1f}x (batch {sweep.batch_size.iloc[0]}, one "
+                    f"run per point)."]
 
 
 def _ch04(gpu: bool) -> list[str] | None:
@@ -271,9 +267,8 @@ def _ch09(gpu: bool) -> list[str] | None:
             f"{s.ttft_p50_ms['continuous'] / s.ttft_p50_ms['prefix-cache']:.1f}x lower and output "
             f"tokens/s {s.output_throughput['prefix-cache'] / s.output_throughput['continuous']:.2f}x "
             f"(hit rate {s.prefix_cache_hit_rate['prefix-cache']:.0%});",
-            f"with nothing shared, "
-            f"{n.output_throughput['prefix-cache'] / n.output_throughput['continuous']:.2f}x: the "
-            f"bookkeeping costs next to nothing."]
+            f"with nothing shared, {n.output_throughput['prefix-cache'] / n.output_throughput['continuous']:.2f}"
+            f"x: the bookkeeping costs next to nothing."]
 
 
 def _ch10(gpu: bool) -> list[str] | None:
