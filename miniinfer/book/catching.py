@@ -21,7 +21,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
 - the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
   where each engine's time goes, op by op;
 - the compiled stage's steps of four shapes, kernel by kernel (``<device>-kernels.csv``,
-  :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step.
+  :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step; with
+  the peer, vLLM's decode steps of the same sizes, split the same way.
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 

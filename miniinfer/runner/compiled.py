@@ -520,8 +520,6 @@ class CompiledForward:
         # process would compile again). The compiled graph does not depend on the flag.
         first = key not in self._compiled
         loaded = len(_loaded_graph_modules())
-        # Any call may compile (a first one, or a recompile: which the guards decide), so
-        # none adds to the in-memory artifact record (about 12 us a call).
         if self.device.type == "cuda":
             # Under CUDA graphs (inductor's cudagraph trees) a graph's output lives in memory
             # its next replay overwrites, and feeding one graph's output to the next (body to
@@ -529,6 +527,8 @@ class CompiledForward:
             # overwritten"). Each call starts a step of its own and its output is copied out:
             # a hidden state or a step's logits, small beside the weights the step reads.
             torch.compiler.cudagraph_mark_step_begin()
+        # Any call may compile (a first one, or a recompile: which the guards decide), so
+        # none adds to the in-memory artifact record (about 12 us a call).
         with self._patches[0], self._patches[1], self._patches[2], \
                 _onednn_disabled() if first else nullcontext(), _no_mega_cache():
             out = graph(*args)
