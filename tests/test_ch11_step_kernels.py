@@ -94,8 +94,9 @@ def test_a_step_of_another_shape_is_an_error_and_leaves_the_engine_idle(engine):
 class _WindowPeer:
     """A vLLM peer's profiled window, as its driver answers it (ms over 2 steps of 100 ms)."""
 
-    def profile_decode_steps(self, prompts, warm_steps, steps):
+    def profile_steps(self, prompts, warm_steps, steps, joiners):
         self.asked = (len(prompts), {len(p) for p in prompts}, warm_steps, steps)
+        self.joiners = joiners
         ops = {"_C::onednn_mm": 120.0, "_C::cpu_attention_with_kv_cache": 30.0,
                "_C::cpu_attn_reshape_and_cache": 4.0, "vllm::unified_attention_with_output": 2.0,
                "## Call CompiledFxGraph fkh3x2 ##": 6.0, "aten::view": 1.0}
@@ -104,14 +105,23 @@ class _WindowPeer:
                         for op, ms in ops.items()]}
 
 
-def test_vllms_decode_window_splits_into_the_same_kinds(tiny):
+def test_vllms_window_splits_into_the_same_kinds(tiny):
     peer = _WindowPeer()
-    table = step_kernels.profile_vllm_decodes(peer, tiny, DECODES, steps=2, warm_steps=3)
-    assert peer.asked == (2, {20}, 3, 2)
+    table = step_kernels.profile_vllm_steps(peer, tiny, DECODES, steps=2, warm_steps=3)
+    assert peer.asked == (2, {20}, 3, 2) and peer.joiners is None
     assert _parts(table) == pytest.approx({
         ONEDNN: 60.0, step_kernels.VLLM_ATTENTION: 18.0, step_kernels.VLLM_GRAPHS: 3.0,
         REST: 19.0})  # 100 ms a step less the named parts (aten::view among the rest)
     assert set(table.system) == {"vLLM"} and table.step_ms.iloc[0] == pytest.approx(100.0)
     assert [step_kernels.kind_of(p) for p in table.part] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="decode steps only"):
-        step_kernels.profile_vllm_decodes(peer, tiny, MIXED, steps=2)
+
+
+def test_vllms_mixed_window_gets_new_prompts_before_every_step(tiny):
+    peer = _WindowPeer()
+    table = step_kernels.profile_vllm_steps(peer, tiny, MIXED, steps=2, warm_steps=3)
+    assert peer.asked == (2, {20}, 3, 2)
+    # Before each of the 3 warm and 2 profiled steps, 2 prompts of 7 tokens, none seen before
+    # (vLLM's prefix cache would skip a repeated one's prefill).
+    assert [[len(p) for p in step] for step in peer.joiners] == [[7, 7]] * 5
+    assert len({tuple(p) for step in peer.joiners for p in step}) == 10
+    assert set(table.scenario) == {MIXED.name} and set(table.tokens) == {16}

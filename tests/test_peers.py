@@ -331,24 +331,44 @@ def test_a_profiled_job_answers_its_run_and_every_op_by_self_time(tiny, fake_vll
 def test_a_profiled_window_is_the_decode_steps_after_every_first_token(tiny, fake_vllm):
     engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
     try:
-        window = engine.profile_decode_steps([[1, 2], [7]], warm_steps=2, steps=3)
+        window = engine.profile_steps([[1, 2], [7]], warm_steps=2, steps=3)
     finally:
         engine.close()
     assert window["steps"] == 3 and window["wall_s"] > 0 and isinstance(window["ops"], list)
 
 
-@pytest.mark.parametrize(("max_tokens", "message"), [
-    ((9, 9), "the run ended 8 steps after every request had its first token; the window needs 9"),
-    ((9, 5), "a profiled step gave 1 of 2 requests a token"),
+def test_a_windows_joiners_join_its_steps_and_stay_out_of_the_answer(tiny, fake_vllm):
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
+    joiners = [[[100 * k + 10 * j + 1] for j in range(2)] for k in range(1, 4)]
+    try:
+        answer = engine.process.ask({
+            "requests": [{"prompt_ids": [1], "max_tokens": 5}, {"prompt_ids": [7], "max_tokens": 5}],
+            "profile_steps": {"warm_steps": 1, "steps": 2, "joiners": joiners}})
+    finally:
+        engine.close()
+    (run,) = answer["runs"]
+    # The run's own requests only, their tokens as without joiners; each of the window's steps
+    # gave 2 requests and its 2 joiners a token (else an error).
+    assert [r["token_ids"] for r in run["requests"]] == [fake_next_tokens([1], 5),
+                                                         fake_next_tokens([7], 5)]
+    assert run["window"]["steps"] == 2
+
+
+@pytest.mark.parametrize(("max_tokens", "window", "message"), [
+    ((9, 9), {}, "the run ended 8 steps after every request had its first token; "
+                 "the window needs 9"),
+    ((9, 5), {}, "a profiled step gave 1 of 2 requests a token"),
+    ((12, 12), {"joiners": [[[5]]] * 8},
+     "a window of 6 \\+ 3 steps needs as many lists of joiners, got 8"),
 ])
-def test_a_window_the_run_cannot_fill_is_an_error(tiny, fake_vllm, max_tokens, message):
+def test_a_window_the_run_cannot_fill_is_an_error(tiny, fake_vllm, max_tokens, window, message):
     # warm 6 + 3 steps after the first token's step: 10 tokens each needed.
     engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
     try:
         with pytest.raises(PeerFailedError, match=message):
             engine.process.ask({"requests": [{"prompt_ids": [1], "max_tokens": n}
                                              for n in max_tokens],
-                                "profile_steps": {"warm_steps": 6, "steps": 3}})
+                                "profile_steps": {"warm_steps": 6, "steps": 3, **window}})
     finally:
         engine.close()
 
@@ -507,20 +527,31 @@ def test_real_vllm_serves_a_workload(real_engine):
 
 @needs_vllm
 @pytest.mark.slow
-def test_real_vllm_profiled_window_holds_exactly_its_decode_steps(real_engine):
+def test_real_vllm_profiled_windows_hold_exactly_their_steps(real_engine):
     lm, _ = real_engine
     # In process, where the profiler sees the model's ops; a budget of a third of the prompts'
     # 96 tokens, so the first prompt decodes while the last ones prefill, for 3 steps or more.
     engine = VLLMEngine(lm, in_process=True, max_num_batched_tokens=32)
     try:
-        window = engine.profile_decode_steps(make_prompts(lm, 4, 24), warm_steps=1, steps=3)
+        decodes = engine.profile_steps(make_prompts(lm, 4, 24), warm_steps=1, steps=3)
+        # 4 decodes and 2 new prompts of 14 tokens fill the budget: vLLM's scheduler puts them
+        # in one step (the driver checks that each step gave all 6 a token).
+        joiners = [make_prompts(lm, 2, 14, seed) for seed in range(1, 5)]
+        mixed = engine.profile_steps(make_prompts(lm, 4, 24), warm_steps=1, steps=3,
+                                     joiners=joiners)
     finally:
         engine.close()
-    calls = {op["op"]: op["calls"] for op in window["ops"]}
-    # Per decode step, one matmul per fused projection (qkv, o, gate_up, down) in every layer
-    # and the LM head's: three steps' worth, none of the prompts'.
-    assert calls["_C::onednn_mm"] == 3 * (4 * lm.config.num_hidden_layers + 1)
-    assert window["steps"] == 3 and window["wall_s"] > 0
+    # Per step, one matmul per fused projection (qkv, o, gate_up, down) in every layer and the
+    # LM head's: three steps' worth, none of the prompts' before the window.
+    for window in (decodes, mixed):
+        calls = {op["op"]: op["calls"] for op in window["ops"]}
+        assert calls["_C::onednn_mm"] == 3 * (4 * lm.config.num_hidden_layers + 1)
+        assert window["steps"] == 3 and window["wall_s"] > 0
+    # The mixed steps did the new prompts' work besides: more time in the matmuls.
+    def matmul_ms(window):
+        return next(op["self_ms"] for op in window["ops"] if op["op"] == "_C::onednn_mm")
+
+    assert matmul_ms(mixed) > matmul_ms(decodes)
 
 
 @needs_vllm

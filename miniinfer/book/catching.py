@@ -310,12 +310,12 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
                         with_peer: bool = False) -> Path:
     """:data:`.step_kernels.SCENARIOS` on the compiled stage, its profiled steps on a forward
     compiled with inductor's kernel profile (graphs of its own, compiled for the scenarios'
-    four buckets as they first need them), and ``with_peer`` the decode scenarios on vLLM
+    four buckets as they first need them), and ``with_peer`` the same scenarios on vLLM
     (its engine core in its driver's process, the same token budget) -> ``-kernels.csv``,
     each system's and scenario's parts in ms per step."""
     from ..bench.peers.vllm_peer import VLLMEngine
     from ..runner.compiled import CompiledForward, CompileOptions
-    from .step_kernels import SCENARIOS, profile_scenario, profile_vllm_decodes
+    from .step_kernels import SCENARIOS, profile_scenario, profile_vllm_steps
 
     engine = make_engine("compiled", lm, warm_up=False)
     budget = engine.scheduler.config.max_num_batched_tokens
@@ -330,9 +330,9 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
     if with_peer:
         vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
         try:
-            tables += [profile_vllm_decodes(vllm, lm, scenario, decode_steps).assign(
-                peer_version=vllm.version) for scenario in SCENARIOS
-                if not scenario.new_prompts]
+            tables += [profile_vllm_steps(
+                vllm, lm, scenario, mixed_steps if scenario.new_prompts else decode_steps)
+                .assign(peer_version=vllm.version) for scenario in SCENARIOS]
         finally:
             vllm.close()
     table = pd.concat(tables, ignore_index=True).assign(model=lm.name,

@@ -12,9 +12,10 @@ step's wall time less the named parts. Each scenario profiles a few steps of one
 steps of 1, 8 and 32 requests with contexts of about 256 tokens, and a 512-token step that
 mixes 16 decodes with new prompts, as chapter 08's served steps do.
 
-vLLM's decode steps split the same way (:func:`profile_vllm_decodes`): its driver profiles a
-window of decode steps of the whole batch, and its ops fall into the same kinds (its matmuls are
-oneDNN calls by name, its attention a kernel of its own, its small ops inductor's code).
+vLLM's steps split the same way (:func:`profile_vllm_steps`): its driver profiles a window of
+steps of the whole batch (and, in the mixed scenario, the new prompts added before each), and
+its ops fall into the same kinds (its matmuls are oneDNN calls by name, its attention a kernel
+of its own, its small ops inductor's code).
 """
 
 from __future__ import annotations
@@ -174,15 +175,16 @@ def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
     return _parts_table(parts, wall_s, steps, scenario, "compiled")
 
 
-def profile_vllm_decodes(peer, lm, scenario: StepScenario, steps: int,
-                         warm_steps: int = 3) -> pd.DataFrame:
-    """``steps`` decode steps of ``scenario`` (decodes only) on ``peer``, a vLLM engine built
-    in its driver's process, after its prompts and ``warm_steps`` steps -> the rows of
-    :func:`profile_scenario`, in vLLM's parts."""
-    if scenario.new_prompts:
-        raise ValueError(f"{scenario.name}: vLLM's profiled window holds decode steps only")
-    window = peer.profile_decode_steps(make_prompts(lm, scenario.decodes, scenario.context),
-                                       warm_steps, steps)
+def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
+                       warm_steps: int = 3) -> pd.DataFrame:
+    """``steps`` steps of ``scenario`` on ``peer``, a vLLM engine built in its driver's
+    process, after its prompts and ``warm_steps`` steps -> the rows of
+    :func:`profile_scenario`, in vLLM's parts. A scenario's new prompts are the ones ours gets,
+    new for each step (vLLM's prefix cache would find repeated ones)."""
+    joiners = [make_prompts(lm, scenario.new_prompts, scenario.new_prompt_len, seed)
+               for seed in range(1, warm_steps + steps + 1)] if scenario.new_prompts else None
+    window = peer.profile_steps(make_prompts(lm, scenario.decodes, scenario.context),
+                                warm_steps, steps, joiners)
     parts: dict[str, float] = {}
     for op in window["ops"]:
         part = _VLLM_OPS.get(op["op"]) or (VLLM_GRAPHS if _COMPILED_GRAPH_CALL.match(op["op"])

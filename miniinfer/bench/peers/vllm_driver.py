@@ -18,8 +18,12 @@ run's start), with ``"ops": [{"op": ..., "calls": ..., "self_ms": ..., "total_ms
 for a profiled job (the last run's, under torch.profiler), ``"window": {"steps": n,
 "wall_s": ..., "ops": [...]}`` for a job with ``"profile_steps": {"warm_steps": w, "steps":
 n}`` (the last run's steps ``w + 1`` to ``w + n`` after every request had its first token, all
-decodes then, under torch.profiler: a decode step of the batch alone), or ``{"error": "..."}``. Only the answers go to stdout: vLLM's logs, and anything
-else that writes to file descriptor 1 (its engine process too), go to stderr.
+decodes then, under torch.profiler: a decode step of the batch alone), or ``{"error": "..."}``.
+A window may add ``"joiners": [[prompt_ids, ...], ...]``, the new prompts (one token each,
+not in the run's answer) added before each of its ``w + n`` steps: a profiled step is then the
+batch's decodes and those prompts whole, as a served step that admits new requests is. Only the
+answers go to stdout: vLLM's logs, and anything else that writes to file descriptor 1 (its
+engine process too), go to stderr.
 
 A run is what ``LLM.generate`` does with every request at once, the engine's own ``step()``
 loop, with two differences that let it time each token: each step returns its new tokens
@@ -68,6 +72,7 @@ def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any],
     start = time.perf_counter()
     # Ids unique across runs: vLLM refuses an id still known from an earlier request.
     tag = f"{start:.6f}"
+    records = {f"{tag}-{i}": record for i, record in enumerate(out)}  # a window's joiners: none
     while order or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + requests[order[0]].get("arrival_s", 0.0)
@@ -79,13 +84,18 @@ def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any],
                                params[i])
             out[i]["scheduled_s"] = time.perf_counter() - start
         if profiler is not None:
-            profiler.before_step(not order and all(r["token_ids"] for r in out))
+            joiners = profiler.before_step(not order and all(r["token_ids"] for r in out))
+            for k, prompt in enumerate(joiners):
+                engine.add_request(f"{tag}-joiner-{profiler.after_first}-{k}",
+                                   {"prompt_token_ids": prompt}, _sampling_params(1, sampling))
         outputs = engine.step()
         if profiler is not None:
             profiler.after_step(len(outputs))
         for output in outputs:
             stamp = time.perf_counter() - start
-            record = out[int(output.request_id.rpartition("-")[2])]
+            record = records.get(output.request_id)
+            if record is None:
+                continue  # a joiner's one token
             new = list(output.outputs[0].token_ids)
             record["token_ids"] += new
             record["token_times_s"] += [stamp] * len(new)
@@ -95,37 +105,48 @@ def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any],
 
 class _StepWindow:
     """torch.profiler over ``window["steps"]`` engine steps, which start ``window["warm_steps"]``
-    steps after every request has its first token; each must give every request a token."""
+    steps after every request has its first token; each must give every request a token, and
+    every joiner added before it its first (and only) one."""
 
-    def __init__(self, window: dict[str, int], num_requests: int) -> None:
+    def __init__(self, window: dict[str, Any], num_requests: int) -> None:
         self.warm, self.steps, self.num_requests = window["warm_steps"], window["steps"], \
             num_requests
+        self.joiners = window.get("joiners") or []
+        if self.joiners and len(self.joiners) != self.warm + self.steps:
+            raise ValueError(f"a window of {self.warm} + {self.steps} steps needs as many lists "
+                             f"of joiners, got {len(self.joiners)}")
         self.after_first = 0  # steps since every request had its first token
-        self.prof, self.wall_s, self.step_start = None, 0.0, None
+        self.prof, self.wall_s, self.step_start, self.expected = None, 0.0, None, 0
 
-    def before_step(self, all_started: bool) -> None:
+    def before_step(self, all_started: bool) -> list[list[int]]:
+        """Starts the profiler and the step's clock where the window does -> the prompts that
+        join this step."""
         self.step_start = None
-        if not all_started:
-            return
+        if not all_started or self.after_first == self.warm + self.steps:
+            return []
         self.after_first += 1
         if self.after_first == self.warm + 1:
             from torch.profiler import ProfilerActivity, profile
 
             self.prof = profile(activities=[ProfilerActivity.CPU])
             self.prof.start()
-        if self.warm < self.after_first <= self.warm + self.steps:
+        joining = self.joiners[self.after_first - 1] if self.joiners else []
+        self.expected = self.num_requests + len(joining)
+        if self.after_first > self.warm:
             self.step_start = time.perf_counter()
+        return joining
 
     def after_step(self, num_outputs: int) -> None:
         if self.step_start is None:
             return
         self.wall_s += time.perf_counter() - self.step_start
         last = self.after_first == self.warm + self.steps
-        if last or num_outputs != self.num_requests:
+        if last or num_outputs != self.expected:
             self.prof.stop()
-        if num_outputs != self.num_requests:
-            raise RuntimeError(f"a profiled step gave {num_outputs} of {self.num_requests} "
-                               f"requests a token: not a decode step of the whole batch")
+        if num_outputs != self.expected:
+            raise RuntimeError(f"a profiled step gave {num_outputs} of {self.expected} "
+                               f"requests a token: not a step of the whole batch"
+                               + (" and its joiners" if self.joiners else ""))
 
     def result(self) -> dict[str, Any]:
         if self.after_first < self.warm + self.steps:

@@ -265,20 +265,22 @@ class VLLMEngine(Engine):
                                    "warmup": warmup, "repeat": 1, "profile": True})
         return answer["runs"][0], answer["ops"]
 
-    def profile_decode_steps(self, prompts: list[list[int]], warm_steps: int,
-                             steps: int) -> dict[str, Any]:
-        """``steps`` decode steps of the whole batch of ``prompts`` under torch.profiler,
-        ``warm_steps`` after every prompt had its first token (greedy, one plain run first):
-        ``{"steps", "wall_s", "ops"}``, the ops by self time (see :mod:`.vllm_driver`)."""
+    def profile_steps(self, prompts: list[list[int]], warm_steps: int, steps: int,
+                      joiners: list[list[list[int]]] | None = None) -> dict[str, Any]:
+        """``steps`` steps of the whole batch of ``prompts`` under torch.profiler, ``warm_steps``
+        after every prompt had its first token (greedy, one plain run first), ``joiners[k]``
+        (new prompts of one token each) added before the ``k``-th of those ``warm_steps +
+        steps``: ``{"steps", "wall_s", "ops"}``, the ops by self time (see :mod:`.vllm_driver`).
+        Without joiners, decode steps."""
         # A prompt prefilled in the first chunk decodes while the others prefill, and must not
         # finish before the window ends: room for every chunk of the prompts besides.
         prompt_steps = -(-sum(map(len, prompts)) // self.engine_config["max_num_batched_tokens"])
         requests = [{"prompt_ids": p, "max_tokens": prompt_steps + warm_steps + steps + 2}
                     for p in prompts]
+        window = {"warm_steps": warm_steps, "steps": steps, "joiners": joiners}
         answer = self.process.ask({"requests": requests,
                                    "sampling": _sampling(SamplingParams(ignore_eos=True)),
-                                   "warmup": 1, "repeat": 1,
-                                   "profile_steps": {"warm_steps": warm_steps, "steps": steps}})
+                                   "warmup": 1, "repeat": 1, "profile_steps": window})
         return answer["runs"][0]["window"]
 
     def _generate(self, prompts: list[list[int]], params: SamplingParams) -> GenerationResult:
