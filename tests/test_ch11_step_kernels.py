@@ -4,6 +4,7 @@ steps' wall time; a step of another shape than the scenario's is an error, not a
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from miniinfer import make_engine
@@ -125,3 +126,19 @@ def test_vllms_mixed_window_gets_new_prompts_before_every_step(tiny):
     assert [[len(p) for p in step] for step in peer.joiners] == [[7, 7]] * 5
     assert len({tuple(p) for step in peer.joiners for p in step}) == 10
     assert set(table.scenario) == {MIXED.name} and set(table.tokens) == {16}
+
+
+def test_the_median_round_is_kept_whole_with_the_rounds_range():
+    def profile(step_ms, matmul_ms):
+        return pd.DataFrame({"part": [ONEDNN, REST], "ms_per_step": [matmul_ms,
+                                                                     step_ms - matmul_ms],
+                             "step_ms": step_ms})
+
+    rounds = [profile(110.0, 80.0), profile(95.0, 70.0), profile(100.0, 60.0)]
+    kept = step_kernels.median_round(rounds)
+    # The 100-ms round's parts as they were (not 70 ms of matmuls, the parts' own median).
+    assert _parts(kept) == {ONEDNN: 60.0, REST: 40.0}
+    assert set(kept.rounds) == {3} and set(kept.step_ms_min) == {95.0}
+    assert set(kept.step_ms_max) == {110.0}
+    # Of two, the faster: the lower middle.
+    assert set(step_kernels.median_round(rounds[:2]).step_ms) == {95.0}

@@ -307,38 +307,44 @@ def record_profiles(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool
 
 
 def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: int = 4,
-                        with_peer: bool = False) -> Path:
+                        with_peer: bool = False, rounds: int = 3) -> Path:
     """:data:`.step_kernels.SCENARIOS` on the compiled stage, its profiled steps on a forward
     compiled with inductor's kernel profile (graphs of its own, compiled for the scenarios'
     four buckets as they first need them), and ``with_peer`` the same scenarios on vLLM
-    (its engine core in its driver's process, the same token budget) -> ``-kernels.csv``,
-    each system's and scenario's parts in ms per step."""
+    (its engine core in its driver's process, the same token budget), in ``rounds`` rounds,
+    the two systems taken in turn -> ``-kernels.csv``: each system's and scenario's parts in
+    ms per step, from its round of median step time (:func:`.step_kernels.median_round`)."""
     from ..bench.peers.vllm_peer import VLLMEngine
     from ..runner.compiled import CompiledForward, CompileOptions
-    from .step_kernels import SCENARIOS, profile_scenario, profile_vllm_steps
+    from .step_kernels import SCENARIOS, median_round, profile_scenario, profile_vllm_steps
 
     engine = make_engine("compiled", lm, warm_up=False)
     budget = engine.scheduler.config.max_num_batched_tokens
     profiled = CompiledForward(lm.model, engine.kv_cache, CompileOptions(kernel_profile=True))
+    vllm = None
+    profiles: dict[tuple[str, str], list[pd.DataFrame]] = {}
     try:
-        tables = [profile_scenario(engine, scenario,
-                                   mixed_steps if scenario.new_prompts else decode_steps,
-                                   forward=profiled)
-                  for scenario in SCENARIOS]
+        if with_peer:
+            vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
+        for _ in range(rounds):
+            for scenario in SCENARIOS:
+                steps = mixed_steps if scenario.new_prompts else decode_steps
+                profiles.setdefault(("compiled", scenario.name), []).append(
+                    profile_scenario(engine, scenario, steps, forward=profiled))
+                if vllm is not None:
+                    profiles.setdefault(("vLLM", scenario.name), []).append(
+                        profile_vllm_steps(vllm, lm, scenario, steps)
+                        .assign(peer_version=vllm.version))
     finally:
         engine.close()
-    if with_peer:
-        vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
-        try:
-            tables += [profile_vllm_steps(
-                vllm, lm, scenario, mixed_steps if scenario.new_prompts else decode_steps)
-                .assign(peer_version=vllm.version) for scenario in SCENARIOS]
-        finally:
+        if vllm is not None:
             vllm.close()
-    table = pd.concat(tables, ignore_index=True).assign(model=lm.name,
-                                                        **run_metadata(lm.device))
+    table = pd.concat([median_round(tables) for tables in profiles.values()],
+                      ignore_index=True).assign(model=lm.name, **run_metadata(lm.device))
     for (system, name), parts in table.groupby(["system", "scenario"], sort=False):
-        print(f"{system}, {name}: {parts.step_ms.iloc[0]:.1f} ms a step\n"
+        first = parts.iloc[0]
+        print(f"{system}, {name}: {first.step_ms:.1f} ms a step (median of {first.rounds} "
+              f"rounds, {first.step_ms_min:.1f}-{first.step_ms_max:.1f})\n"
               f"{parts[['part', 'ms_per_step', 'share_pct']].round(1).to_string(index=False)}")
     path = _path(lm.device, "-kernels")
     table.to_csv(path, index=False)

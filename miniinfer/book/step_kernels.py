@@ -194,6 +194,17 @@ def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
     return _parts_table(parts, window["wall_s"], window["steps"], scenario, "vLLM")
 
 
+def median_round(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """Of one system's and scenario's profiles over several rounds, the one whose step time is
+    the median (the lower middle of an even count), its parts as profiled (medians taken part
+    by part would not add up to a step), with ``rounds`` and the range of the rounds' step
+    times (``step_ms_min``, ``step_ms_max``)."""
+    step_ms = [float(t.step_ms.iloc[0]) for t in tables]
+    middle = sorted(range(len(tables)), key=step_ms.__getitem__)[(len(tables) - 1) // 2]
+    return tables[middle].assign(rounds=len(tables), step_ms_min=min(step_ms),
+                                 step_ms_max=max(step_ms))
+
+
 def _parts_table(parts: dict[str, float], wall_s: float, steps: int, scenario: StepScenario,
                  system: str) -> pd.DataFrame:
     """Named parts' ms over ``steps`` steps of ``wall_s`` -> one row per part, the rest (the
