@@ -22,7 +22,7 @@ Each table's rows come from one run, so that its ratios compare like with like:
   where each engine's time goes, op by op;
 - the compiled stage's steps of four shapes, kernel by kernel (``<device>-kernels.csv``,
   :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step; with
-  the peer, vLLM's decode steps of the same sizes, split the same way.
+  the peer, the same four on vLLM, split the same way; three rounds, the two in turn.
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 
