@@ -72,7 +72,8 @@ def serve_once(llm, requests: list[dict[str, Any]], sampling: dict[str, Any],
     start = time.perf_counter()
     # Ids unique across runs: vLLM refuses an id still known from an earlier request.
     tag = f"{start:.6f}"
-    records = {f"{tag}-{i}": record for i, record in enumerate(out)}  # a window's joiners: none
+    # The run's own requests by id (a window's joiners are not among them).
+    records = {f"{tag}-{i}": record for i, record in enumerate(out)}
     while order or engine.has_unfinished_requests():
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + requests[order[0]].get("arrival_s", 0.0)
