@@ -125,6 +125,8 @@ def test_vllms_mixed_window_gets_new_prompts_before_every_step(tiny):
     # (vLLM's prefix cache would skip a repeated one's prefill).
     assert [[len(p) for p in step] for step in peer.joiners] == [[7, 7]] * 5
     assert len({tuple(p) for step in peer.joiners for p in step}) == 10
+    # The prompts our own profile adds before the same steps.
+    assert peer.joiners == [step_kernels.joining_prompts(tiny, MIXED, k) for k in range(1, 6)]
     assert set(table.scenario) == {MIXED.name} and set(table.tokens) == {16}
 
 

@@ -115,6 +115,13 @@ def _part(op: str, projections: dict[tuple[int, int], str]) -> str | None:
     return None
 
 
+def joining_prompts(lm, scenario: StepScenario, step: int) -> list[list[int]]:
+    """The new prompts that join the ``step``-th (from 1) warm or profiled step of
+    ``scenario``: new ones each step (a prefix cache would skip repeated ones), the same on
+    every system profiled."""
+    return make_prompts(lm, scenario.new_prompts, scenario.new_prompt_len, seed=step)
+
+
 def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
                      warm_steps: int = 3) -> pd.DataFrame:
     """``steps`` steps of ``scenario`` on ``engine`` (an idle continuous engine) under
@@ -139,13 +146,12 @@ def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
                               ignore_eos=True)
     for prompt in make_prompts(engine.lm, scenario.decodes, scenario.context):
         engine.add_request(prompt, decoding)
-    seed = 0
+    taken = 0  # steps taken after the prompts
 
     def one_step(check: bool) -> float:
-        nonlocal seed
-        seed += 1  # new prompts each step
-        for prompt in make_prompts(engine.lm, scenario.new_prompts, scenario.new_prompt_len,
-                                   seed):
+        nonlocal taken
+        taken += 1
+        for prompt in joining_prompts(engine.lm, scenario, taken):
             engine.add_request(prompt, SamplingParams(max_new_tokens=1, ignore_eos=True))
         step = engine.step()
         shape = (step.num_decodes, step.num_prefill_tokens)
@@ -179,10 +185,10 @@ def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
                        warm_steps: int = 3) -> pd.DataFrame:
     """``steps`` steps of ``scenario`` on ``peer``, a vLLM engine built in its driver's
     process, after its prompts and ``warm_steps`` steps -> the rows of
-    :func:`profile_scenario`, in vLLM's parts. A scenario's new prompts are the ones ours gets,
-    new for each step (vLLM's prefix cache would find repeated ones)."""
-    joiners = [make_prompts(lm, scenario.new_prompts, scenario.new_prompt_len, seed)
-               for seed in range(1, warm_steps + steps + 1)] if scenario.new_prompts else None
+    :func:`profile_scenario`, in vLLM's parts, with the same new prompts
+    (:func:`joining_prompts`)."""
+    joiners = [joining_prompts(lm, scenario, k) for k in range(1, warm_steps + steps + 1)] \
+        if scenario.new_prompts else None
     window = peer.profile_steps(make_prompts(lm, scenario.decodes, scenario.context),
                                 warm_steps, steps, joiners)
     parts: dict[str, float] = {}
