@@ -28,8 +28,9 @@ from miniinfer.runner.onednn_linear import (
 
 # Few buckets and no autotuning keep compiling to seconds (and the second engine's forward
 # reuses the first one's graphs: same weights, same shapes); the largest bucket is small
-# enough that prompts run in several chunks, and attends by segment past its first 4 tokens
-# (so decodes, prompt chunks and padding all go through both kinds of attention). The 16-token
+# enough that prompts run in several chunks, and without the C++ kernel attends by segment
+# past its first 4 tokens (so decodes, prompt chunks and padding all go through both kinds of
+# attention there; with it, every token goes through the kernel). The 16-token
 # bucket runs its matmuls through oneDNN's prepacked weights on every CPU (by default a CPU with
 # AVX2 only would not), the smaller ones through inductor's.
 OPTIONS = CompileOptions(token_buckets=(1, 4, 16), max_autotune=False,
@@ -111,8 +112,23 @@ def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
     assert calls[0][:2] == (total, len(PROMPT_LENGTHS))
     assert [c[:2] for c in calls[1:]] == [(5, 5)] * (GREEDY.max_new_tokens - 1)
     assert {("body", 16), ("head", 16)} <= set(compiled.compile_seconds)
-    assert compiled._by_segment(16) and not compiled._by_segment(4)
+    # With the C++ kernel every token attends through it, a prompt chunk's a tile at a time.
+    assert compiled.reason_fused is None
+    assert not compiled._by_segment(16) and not compiled._by_segment(4)
     assert compiled.compiled and compiled.reason_eager is None
+
+
+def test_without_the_kernel_prompt_chunks_attend_by_segment_and_match_eager(tiny):
+    """The fused formula's forward (where the C++ kernel does not build): past its first 4
+    tokens a 16-token bucket attends by segment, one SDPA per prompt chunk."""
+    engine = make_engine("paged-attention", tiny)
+    eager = engine.runner.forward
+    compiled = CompiledForward(tiny.model, engine.kv_cache, replace(OPTIONS, attention_kernel=False))
+    assert compiled._by_segment(16) and not compiled._by_segment(4)
+    engine.runner.forward = Compared(eager, compiled)
+    engine.generate(prompts(), GREEDY)
+    assert engine.runner.forward.calls[0][:2] == (sum(PROMPT_LENGTHS), len(PROMPT_LENGTHS))
+    assert ("body", 16) in compiled.compile_seconds
 
 
 def test_greedy_matches_hf_in_a_static_batch(paged, tiny, hf_alone):
@@ -450,21 +466,26 @@ def test_segment_attention_keeps_its_plan_only_for_the_same_step():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 48])
-def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim):
-    """Each token (decodes of two requests, a prompt chunk, a token whose position lies past
-    its table, as a padding row's may) attends to exactly its own request's positions up to
-    its own, read from this layer's K and V rows of the pool (another layer's rows around
-    them hold other values). A head of 48 is not a whole number of four AVX2 or AVX-512
-    vectors: the kernel's leftover vectors."""
+@pytest.mark.parametrize("kv_heads", [3, 1, 9])
+def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim, kv_heads):
+    """Each token (decodes of two requests, prompt chunks of two requests, one starting a
+    prompt and running into the next block and one of an odd length deep in its request, a
+    token whose position lies past its table, as a padding row's may) attends to exactly its
+    own request's positions up to its own, read from this layer's K and V rows of the pool
+    (another layer's rows around them hold other values). In fp32 the chunks go in tiles
+    (their tokens with the 9, 3 or 1 heads of each kv head: a tile of 6 tokens, of 2, and none,
+    one token at a time); a head of 48 is not a whole number of four AVX2 or AVX-512 vectors
+    (the per-token path's leftover vectors), nor of two AVX-512 vectors (no tiles there)."""
     if (reason := cpu_decode.unavailable(dim)) is not None:
         pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
     torch.manual_seed(0)
-    block_size, num_blocks, kv_heads, heads = 16, 12, 3, 9
+    block_size, num_blocks, heads = 16, 12, 9
     slots = num_blocks * block_size
     pool = torch.randn(4 * slots, kv_heads, dim).to(dtype)  # two layers' K and V
     k_base, v_base = 2 * slots, 3 * slots  # the second layer
     tables = torch.tensor([[3, 7, 0, 0], [5, 1, 9, 11], [2, 8, 4, 0]], dtype=torch.int32)
-    tokens = [(0, 20), (1, 63), *[(2, p) for p in range(30, 37)], (0, 0), (2, 90)]
+    tokens = [(0, 20), (1, 63), *[(2, p) for p in range(30, 37)], (0, 0), (2, 90),
+              *[(0, p) for p in range(0, 21)], (1, 40)]
     request = torch.tensor([r for r, _ in tokens])
     positions = torch.tensor([p for _, p in tokens])
     q = torch.randn(len(tokens), heads, dim).to(dtype)
@@ -483,9 +504,10 @@ def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim):
     with pytest.raises(RuntimeError, match="int32 tables"):
         cpu_decode.paged_token_attention(q, pool, k_base, v_base, block_size,
                                          tables[request].long(), positions, 0.125)
-    with pytest.raises(RuntimeError, match="multiple of kv heads"):
-        cpu_decode.paged_token_attention(q[:, :8], pool, k_base, v_base, block_size,
-                                         tables[request], positions, 0.125)
+    if kv_heads > 1:  # 8 heads over 3 or 9 kv heads
+        with pytest.raises(RuntimeError, match="multiple of kv heads"):
+            cpu_decode.paged_token_attention(q[:, :8], pool, k_base, v_base, block_size,
+                                             tables[request], positions, 0.125)
 
 
 def test_fused_tokens_attend_through_the_kernel_or_say_why_not(tiny, monkeypatch):

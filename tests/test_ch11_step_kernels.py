@@ -24,8 +24,8 @@ from miniinfer.runner.compiled import CompileOptions
 from miniinfer.runner.onednn_linear import onednn_available
 
 # Decodes of 2 requests run the autotuned template bucket of 4 tokens; the 16-token bucket
-# (prompts, and the mixed step) runs oneDNN where this torch has it, and attends by segment
-# past its first 4 tokens.
+# (prompts, and the mixed step) runs oneDNN where this torch has it, and attends through the
+# C++ kernel (where it does not build, by segment past its first 4 tokens).
 OPTIONS = CompileOptions(token_buckets=(4, 8, 16), onednn_min_tokens=16,
                          onednn_min_tokens_avx2=16, segment_attention_min_tokens=16,
                          fused_attention_rows=4, kernel_profile=True)
@@ -77,9 +77,12 @@ def test_a_decode_step_splits_into_template_gemms_attention_and_fused_ops(tiny, 
     assert not engine.has_unfinished_requests()
 
 
-def test_a_mixed_step_attends_its_prompt_chunks_by_segment(engine):
+def test_a_mixed_step_attends_its_prompt_chunks_through_the_kernel_or_by_segment(engine):
     parts = _parts(profile_scenario(engine, MIXED, steps=2))
-    assert parts[ATTENTION_SEGMENTS] > 0
+    if engine.runner.forward.reason_fused is None:  # the C++ kernel: every token, no SDPA
+        assert parts[ATTENTION_KERNEL] > 0 and ATTENTION_SEGMENTS not in parts
+    else:
+        assert parts[ATTENTION_SEGMENTS] > 0
     if onednn_available(engine.device):
         assert parts[ONEDNN] > 0
     assert not engine.has_unfinished_requests()

@@ -128,8 +128,10 @@ def ablation_options() -> dict[str, CompileOptions]:
     MKL's GEMMs, attention reading the pool in place), then the weights frozen into the graph,
     then the GEMMs autotuned (inductor's C++ template, up to 32 tokens), then the larger steps'
     prompt chunks attended by segment, then the matmuls of steps from 16 tokens (48 on a CPU
-    with AVX2 only) through oneDNN's prepacked weights, then the other tokens' attention
-    through the C++ kernel: the stage as it ships."""
+    with AVX2 only) through oneDNN's prepacked weights, then the C++ kernel: the stage as it
+    ships (in the recordings up to git afd74f1 the kernel took each step's first 32 tokens and
+    the prompt chunks past them went by segment; it now takes every token, a prompt chunk's in
+    tiles)."""
     from ..runner.compiled import CompileOptions
 
     fused = CompileOptions(attention_kernel=False)

@@ -5,7 +5,8 @@ as one entry, the GEMM templates of the decode buckets inside it. Compiled with 
 kernel profile (``CompileOptions.kernel_profile``), every loop and GEMM template it generates
 is a profiler event of its own, so a step splits into its matmuls (the template's by
 projection; oneDNN's, from 48 tokens on a CPU with AVX2 only and 16 with AVX-512, as one
-part), its attention (the C++ kernel for decodes, SDPA by segment for prompt chunks), the
+part), its attention (the C++ kernel; SDPA by segment for prompt chunks where it does not
+build), the
 fused small ops (RMSNorm, RoPE, SiLU-times-up, the K/V writes, the residual adds), and the
 rest: the graphs' Python wrappers, scheduling, sampling and the profiler's own cost, as the
 step's wall time less the named parts. Each scenario profiles a few steps of one shape: decode
@@ -32,7 +33,9 @@ from ..core.sampling import SamplingParams
 # The parts of a step the table names (``_part``); ``kind_of`` orders them.
 TEMPLATE_GEMM = "template GEMM"
 ONEDNN = "oneDNN matmuls (every projection)"
-ATTENTION_KERNEL = "attention: C++ kernel (decodes)"
+# (Profiles recorded up to git afd74f1 name it "attention: C++ kernel (decodes)": there
+# prompt chunks went through SDPA by segment.)
+ATTENTION_KERNEL = "attention: C++ kernel"
 ATTENTION_SEGMENTS = "attention: SDPA by segment (prompt chunks)"
 FUSED = "fused small ops (norms, RoPE, SiLU-mul, K/V writes)"
 REST = "the rest (graph wrappers, scheduling, sampling, Python, profiler)"

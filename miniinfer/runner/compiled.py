@@ -22,9 +22,12 @@ request's blocks into a dense tensor in every layer of every step.
   formula; the new tokens' K/V are written into the pool in place first (the pool is an input
   of the graph that it mutates; written as an ``index_put_`` on the flat pool, inductor does it
   in place rather than copying the pool). That fused formula reads a context once per token,
-  which suits decodes; a prompt chunk's tokens share one context, and from 64 tokens on a CPU
-  the tokens past a step's first 32 attend *by segment* instead: an op the graph calls, one
-  SDPA per prompt chunk over its own request's K/V (:mod:`.compiled_attention`);
+  which suits decodes; a prompt chunk's tokens share one context. On a CPU every token attends
+  through a C++ kernel the graph calls instead, which reads K/V in place the same way, a
+  decode's context in one pass and a prompt chunk's tokens a tile at a time
+  (:mod:`~miniinfer.core.kernels.cpu_decode`); where it does not build, from 64 tokens the
+  tokens past a step's first 32 attend *by segment*: an op the graph calls, one SDPA per
+  prompt chunk over its own request's K/V (:mod:`.compiled_attention`);
 - **shape buckets**: the token count is padded up to a bucket (powers of two, and 24 and 48
   where a serving engine's decode batches sit: past 16 tokens a CPU step is compute-bound and
   every padded token costs its share), so a step only
@@ -123,19 +126,21 @@ class CompileOptions:
     # What running one more chunk costs, in tokens' worth of a compute-bound step: reading
     # every weight again, about as long as 16 tokens' matmuls on our CPU (chunk_sizes).
     chunk_cost_tokens: int = 16
-    # From this many tokens a bucket attends by segment (an SDPA per prompt chunk, see
-    # compiled_attention), not with the fused formula, whose per-token reads of a shared
-    # context cost more than the step's matmuls at 512-token prompt chunks. CPU only (the op
-    # reads its segments back to the host); None: every bucket fuses.
+    # On a CPU, every token attends through a C++ kernel (core.kernels.cpu_decode) where it
+    # builds: a decode reads its context at about twice the speed of inductor's fused loops,
+    # and a prompt chunk's tokens go a tile at a time, faster than an SDPA per chunk at every
+    # context we measured. False (or where it does not build): the fused formula, compiled by
+    # inductor, with prompt chunks by segment (the next two options).
+    attention_kernel: bool = True
+    # Without the kernel, from this many tokens a bucket attends by segment (an SDPA per prompt
+    # chunk, see compiled_attention), not with the fused formula, whose per-token reads of a
+    # shared context cost more than the step's matmuls at 512-token prompt chunks. CPU only
+    # (the op reads its segments back to the host); None: every bucket fuses.
     segment_attention_min_tokens: int | None = 64
     # In those buckets the first this many tokens, where chapter 08's mixed steps put their
     # decodes, still attend fused: the fused formula reads a decode's context in place, where
     # the op would copy it (3-4x slower per decode on our CPU).
     fused_attention_rows: int = 32
-    # On a CPU, those fused tokens attend through a C++ kernel (core.kernels.cpu_decode),
-    # which reads each context at about twice the speed of inductor's fused loops, where it
-    # builds; False: the fused formula, compiled by inductor.
-    attention_kernel: bool = True
     # Every loop and GEMM template inductor generates for a CPU reports itself to
     # torch.profiler by name (inductor's cpp.enable_kernel_profile), so a profile splits the
     # graphs' own time (chapter 11's step profile). A setting of inductor's, so its graphs are
@@ -188,7 +193,8 @@ class _Body(nn.Module):
         super().__init__()
         # Whether tokens past the first `fused_rows` attend through segment_attention.
         self.by_segment, self.fused_rows = by_segment, fused_rows
-        # Whether the first ones attend through the C++ kernel instead of the fused formula.
+        # Whether those first tokens (every token, when not by segment) attend through the
+        # C++ kernel instead of the fused formula.
         self.token_kernel = token_kernel
         # With the layers' merged projections, every matmul runs through oneDNN's prepacked
         # weights (onednn_linear); without, through F.linear, which inductor compiles.
@@ -506,8 +512,11 @@ class CompiledForward:
         return "template" if bucket <= self.options.autotune_max_tokens else "aten"
 
     def _by_segment(self, bucket: int) -> bool:
+        """Whether a bucket's tokens past its fused rows attend by segment: on a CPU, from
+        ``segment_attention_min_tokens``, where the C++ kernel does not attend them all."""
         threshold = self.options.segment_attention_min_tokens
-        return self.device.type == "cpu" and threshold is not None and bucket >= threshold
+        return (self.device.type == "cpu" and self.reason_fused is not None
+                and threshold is not None and bucket >= threshold)
 
     def _run(self, key: tuple[str, int], graph, *args: torch.Tensor) -> torch.Tensor:
         """``graph(*args)``, timing it into ``compile_seconds[key]`` when it compiled."""

@@ -1,4 +1,5 @@
-"""The two ways the compiled forward attends (chapter 11).
+"""The two ways the compiled forward attends where the C++ kernel does not (chapter 11; on a
+CPU where it builds, the kernel attends every token: :mod:`miniinfer.core.kernels.cpu_decode`).
 
 **Fused, in the graph** (:func:`fused_paged_attention`): every token reads its own request's
 K/V from the pool through its block table, written as products and sums that inductor fuses

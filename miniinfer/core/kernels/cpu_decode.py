@@ -5,7 +5,9 @@ with the indexed loads from the pool. On decode steps that was still the largest
 step after the matmuls: inductor's loops read a context at a fraction of the memory bandwidth
 (our measurements are in the chapter). ``cpu_decode.cpp`` is the kernel that the fused formula
 is a specification of: per token, one pass over its context's keys and one over its values,
-slot rows read whole and in order, the next block prefetched, vectors as wide as the CPU has.
+slot rows read whole and in order, the next block prefetched, vectors as wide as the CPU has;
+and for a prompt chunk's tokens, which share a context, a tile of them at a time, each K and V
+vector read once for the whole tile.
 
 It is built with ``torch.utils.cpp_extension`` and the same ISA flags inductor picks for its
 own kernels on this CPU (so it runs wherever inductor's kernels run), and registered as the op
