@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -50,6 +51,15 @@ inline const float* as_float(const T* src, float* buf, int64_t n) {
 inline void prefetch(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
   for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+// The softmax's numerators, in place over `n` scores (each exp(score - max)); returns 1 / their
+// sum, for the caller to scale by where it is cheapest.
+inline float exp_in_place(float* s, int64_t n) {
+  const float top = at::vec::reduce_all<float>(
+      [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
+  at::vec::map([top](Vec x) { return (x - Vec(top)).exp_u20(); }, s, s, n);
+  return 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s, n);
 }
 
 // The most query rows a tile holds: with two vectors of positions (or of a head's dims) per
@@ -89,11 +99,7 @@ void attend_tile(const float* const* query_rows, const int64_t* row_context, int
   for (int r = 0; r < ROWS; ++r) {
     float* s = weights[r];
     const int64_t n = row_context[r];
-    const float top = at::vec::reduce_all<float>(
-        [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, n);
-    at::vec::map([top](Vec x) { return (x - Vec(top)).exp_u20(); }, s, s, n);
-    const float inv_sum = 1.f / at::vec::reduce_all<float>(
-        [](Vec& x, Vec& y) { return x + y; }, s, n);
+    const float inv_sum = exp_in_place(s, n);
     at::vec::map([inv_sum](Vec x) { return x * Vec(inv_sum); }, s, s, n);
     std::fill(s + n, s + context, 0.f);
   }
@@ -197,7 +203,8 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
     t = end;
   }
   // Each run's K, transposed once for all its tiles: [kv_head][block][dim][block_size].
-  std::vector<float> kt(kt_size);
+  // Every entry is written below: no zero fill first (a long prompt's is megabytes a layer).
+  std::unique_ptr<float[]> kt(new float[kt_size]);
   for (const Run& run : runs) {
     const int32_t* table = table_ptr + run.token * width;
     at::parallel_for(0, run.blocks, 1, [&](int64_t b_begin, int64_t b_end) {
@@ -205,7 +212,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         for (int64_t g = 0; g < kv_heads; ++g) {
           const T* k = pool_ptr + (k_base + static_cast<int64_t>(table[b]) * block_size) *
                                       slot_stride + g * dim;
-          float* to = kt.data() + run.kt + (g * run.blocks + b) * dim * block_size;
+          float* to = kt.get() + run.kt + (g * run.blocks + b) * dim * block_size;
           for (int64_t j = 0; j < block_size; ++j)
             for (int64_t d = 0; d < dim; ++d)
               to[d * block_size + j] = static_cast<float>(k[j * slot_stride + d]);
@@ -252,7 +259,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
           out_rows[r] = tile_out.data() + r * dim;
           row_context[r] = context_of(t);
         }
-        const float* kt_rows = kt.data() + item.kt + item.kv_head * item.blocks * dim * block_size;
+        const float* kt_rows = kt.get() + item.kt + item.kv_head * item.blocks * dim * block_size;
         tile(query_rows, row_context, context_of(item.token + item.tokens - 1), kt_rows,
              reinterpret_cast<const float*>(pool_ptr) + v_base * slot_stride + item.kv_head * dim,
              table_ptr + item.token * width, block_size, slot_stride, dim, weight_rows, out_rows);
@@ -311,14 +318,8 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         }
       }
       // Each head's softmax, in place; the division waits for the output.
-      for (int64_t head = 0; head < heads; ++head) {
-        float* s = scores.data() + head * max_context;
-        const float top = at::vec::reduce_all<float>(
-            [](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, s, context);
-        at::vec::map([top](Vec x) { return (x - Vec(top)).exp_u20(); }, s, s, context);
-        inv_sum[head] = 1.f / at::vec::reduce_all<float>(
-            [](Vec& x, Vec& y) { return x + y; }, s, context);
-      }
+      for (int64_t head = 0; head < heads; ++head)
+        inv_sum[head] = exp_in_place(scores.data() + head * max_context, context);
       // Pass 2: each head's weighted sum of its kv head's values, a block at a time, the
       // running sum of each vector of the head's output held in a register over the block.
       std::fill(acc.begin(), acc.end(), 0.f);
