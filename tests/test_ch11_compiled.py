@@ -94,6 +94,7 @@ def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
     compiled = engine.runner.forward
     engine.runner.forward = Compared(eager, compiled)
     before = dict(onednn_calls)
+    compiled_attention._last_plan = None
     try:
         engine.generate(prompts(), GREEDY)
         calls = engine.runner.forward.calls
@@ -115,6 +116,7 @@ def test_logits_match_eager_through_prefill_chunks_and_padded_decodes(paged):
     # With the C++ kernel every token attends through it, a prompt chunk's a tile at a time.
     assert compiled.reason_fused is None
     assert not compiled._by_segment(16) and not compiled._by_segment(4)
+    assert compiled_attention._last_plan is None  # the segment op never ran
     assert compiled.compiled and compiled.reason_eager is None
 
 
@@ -126,8 +128,10 @@ def test_without_the_kernel_prompt_chunks_attend_by_segment_and_match_eager(tiny
     compiled = CompiledForward(tiny.model, engine.kv_cache, replace(OPTIONS, attention_kernel=False))
     assert compiled._by_segment(16) and not compiled._by_segment(4)
     engine.runner.forward = Compared(eager, compiled)
+    compiled_attention._last_plan = None
     engine.generate(prompts(), GREEDY)
     assert engine.runner.forward.calls[0][:2] == (sum(PROMPT_LENGTHS), len(PROMPT_LENGTHS))
+    assert compiled_attention._last_plan is not None  # the segment op planned a step: it ran
     assert ("body", 16) in compiled.compile_seconds
 
 
