@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+import torch
 
 from miniinfer import make_engine
 from miniinfer.book import step_kernels
@@ -19,6 +20,7 @@ from miniinfer.book.step_kernels import (
     StepScenario,
     profile_scenario,
     projection_names,
+    time_scenario,
 )
 from miniinfer.runner.compiled import CompileOptions
 from miniinfer.runner.onednn_linear import onednn_available
@@ -88,19 +90,42 @@ def test_a_mixed_step_attends_its_prompt_chunks_through_the_kernel_or_by_segment
     assert not engine.has_unfinished_requests()
 
 
-def test_a_step_of_another_shape_is_an_error_and_leaves_the_engine_idle(engine):
+@pytest.mark.parametrize("measure", [profile_scenario, time_scenario])
+def test_a_step_of_another_shape_is_an_error_and_leaves_the_engine_idle(engine, measure):
     # 2 decodes and 2 prompts of 9 tokens are 20 tokens: more than the budget of 16.
+    own = engine.runner.forward
     with pytest.raises(RuntimeError, match="a profiled step ran 2 decodes and 14 prompt"):
-        profile_scenario(engine, StepScenario("too big", 2, 20, 2, 9), steps=2)
-    assert not engine.has_unfinished_requests()
+        measure(engine, StepScenario("too big", 2, 20, 2, 9), steps=2)
+    assert not engine.has_unfinished_requests() and engine.runner.forward is own
+
+
+def test_unprofiled_steps_run_on_the_engines_own_forward_with_no_profiler(engine, monkeypatch):
+    seen = []
+    own = engine.runner.forward
+
+    def forward(*args, **kwargs):  # whether a profiler was on for each step's forward
+        seen.append(torch.autograd.profiler._is_profiler_enabled)
+        return own(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "forward", forward)
+    step_s = time_scenario(engine, MIXED, steps=3, warm_steps=1)
+    assert len(step_s) == 3 and all(s > 0 for s in step_s)
+    # The prompts' steps, the warm one and the three timed ones, none profiled.
+    assert len(seen) >= 5 and not any(seen)
+    assert engine.runner.forward is forward and not engine.has_unfinished_requests()
+    seen.clear()  # the same steps profiled: the last two forwards under the profiler
+    profile_scenario(engine, MIXED, steps=2, warm_steps=1)
+    assert seen[-2:] == [True, True] and not any(seen[:-2])
 
 
 class _WindowPeer:
     """A vLLM peer's profiled window, as its driver answers it (ms over 2 steps of 100 ms)."""
 
-    def profile_steps(self, prompts, warm_steps, steps, joiners):
+    def profile_steps(self, prompts, warm_steps, steps, joiners, profile=True):
         self.asked = (len(prompts), {len(p) for p in prompts}, warm_steps, steps)
-        self.joiners = joiners
+        self.joiners, self.profiled = joiners, profile
+        if not profile:
+            return {"steps": 2, "wall_s": 0.21, "step_s": [0.1, 0.11], "ops": []}
         ops = {"_C::onednn_mm": 120.0, "_C::cpu_attention_with_kv_cache": 30.0,
                "_C::cpu_attn_reshape_and_cache": 4.0, "vllm::unified_attention_with_output": 2.0,
                "## Call CompiledFxGraph fkh3x2 ##": 6.0, "aten::view": 1.0}
@@ -118,6 +143,14 @@ def test_vllms_window_splits_into_the_same_kinds(tiny):
         REST: 19.0})  # 100 ms a step less the named parts (aten::view among the rest)
     assert set(table.system) == {"vLLM"} and table.step_ms.iloc[0] == pytest.approx(100.0)
     assert [step_kernels.kind_of(p) for p in table.part] == [0, 1, 2, 3]
+    assert peer.profiled
+
+
+def test_vllms_steps_timed_with_no_profiler_are_the_same_window_unprofiled(tiny):
+    peer = _WindowPeer()
+    assert step_kernels.time_vllm_steps(peer, tiny, MIXED, steps=2, warm_steps=3) == [0.1, 0.11]
+    assert peer.asked == (2, {20}, 3, 2) and peer.profiled is False
+    assert peer.joiners == [step_kernels.joining_prompts(tiny, MIXED, k) for k in range(1, 6)]
 
 
 def test_vllms_mixed_window_gets_new_prompts_before_every_step(tiny):
@@ -147,3 +180,15 @@ def test_the_median_round_is_kept_whole_with_the_rounds_range():
     assert set(kept.step_ms_max) == {110.0}
     # Of two, the faster: the lower middle.
     assert set(step_kernels.median_round(rounds[:2]).step_ms) == {95.0}
+    assert "unprofiled_step_ms" not in kept
+
+
+def test_the_unprofiled_step_is_the_median_of_the_rounds_own():
+    rounds = [pd.DataFrame({"part": [REST], "ms_per_step": [step], "step_ms": step,
+                            "unprofiled_step_ms": unprofiled})
+              for step, unprofiled in ((110.0, 90.0), (95.0, 99.0), (100.0, 80.0))]
+    kept = step_kernels.median_round(rounds)
+    # The profiled parts are the 100-ms round's; the unprofiled step is the rounds' median,
+    # 90 ms (not the kept round's 80), with the rounds' range.
+    assert set(kept.step_ms) == {100.0} and set(kept.unprofiled_step_ms) == {90.0}
+    assert set(kept.unprofiled_ms_min) == {80.0} and set(kept.unprofiled_ms_max) == {99.0}

@@ -335,6 +335,17 @@ def test_a_profiled_window_is_the_decode_steps_after_every_first_token(tiny, fak
     finally:
         engine.close()
     assert window["steps"] == 3 and window["wall_s"] > 0 and isinstance(window["ops"], list)
+    assert len(window["step_s"]) == 3 and window["wall_s"] == pytest.approx(sum(window["step_s"]))
+
+
+def test_an_unprofiled_window_times_the_same_steps_with_no_profiler(tiny, fake_vllm):
+    engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
+    try:
+        window = engine.profile_steps([[1, 2], [7]], warm_steps=2, steps=3, profile=False)
+    finally:
+        engine.close()
+    assert window["ops"] == [] and len(window["step_s"]) == 3
+    assert all(s > 0 for s in window["step_s"])
 
 
 def test_a_windows_joiners_join_its_steps_and_stay_out_of_the_answer(tiny, fake_vllm):

@@ -22,7 +22,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
   where each engine's time goes, op by op;
 - the compiled stage's steps of four shapes, kernel by kernel (``<device>-kernels.csv``,
   :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step; with
-  the peer, the same four on vLLM, split the same way; three rounds, the two in turn.
+  the peer, the same four on vLLM, split the same way; three rounds, the two in turn, each
+  scenario's steps timed again with no profiler (the profiler's cost is not the same on both).
 
 On a GPU it records nothing for now (see :func:`run_chapter11`).
 
@@ -31,6 +32,7 @@ Without the peer (``make peers``) the chapter records our rows and says so.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -314,17 +316,30 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
     compiled with inductor's kernel profile (graphs of its own, compiled for the scenarios'
     four buckets as they first need them), and ``with_peer`` the same scenarios on vLLM
     (its engine core in its driver's process, the same token budget), in ``rounds`` rounds,
-    the two systems taken in turn -> ``-kernels.csv``: each system's and scenario's parts in
-    ms per step, from its round of median step time (:func:`.step_kernels.median_round`)."""
+    the two systems taken in turn; in each, a scenario's steps profiled and then the same steps
+    again with no profiler (on our engine's own forward) -> ``-kernels.csv``: each system's
+    and scenario's parts in ms per step, from its round of median step time
+    (:func:`.step_kernels.median_round`), and its median step with no profiler."""
     from ..bench.peers.vllm_peer import VLLMEngine
     from ..runner.compiled import CompiledForward, CompileOptions
-    from .step_kernels import SCENARIOS, median_round, profile_scenario, profile_vllm_steps
+    from .step_kernels import (
+        SCENARIOS,
+        median_round,
+        profile_scenario,
+        profile_vllm_steps,
+        time_scenario,
+        time_vllm_steps,
+    )
 
     engine = make_engine("compiled", lm, warm_up=False)
     budget = engine.scheduler.config.max_num_batched_tokens
     profiled = CompiledForward(lm.model, engine.kv_cache, CompileOptions(kernel_profile=True))
     vllm = None
     profiles: dict[tuple[str, str], list[pd.DataFrame]] = {}
+
+    def unprofiled(step_s: list[float]) -> dict[str, float]:
+        return {"unprofiled_step_ms": statistics.median(step_s) * 1e3}
+
     try:
         if with_peer:
             vllm = VLLMEngine(lm, max_num_batched_tokens=budget, in_process=True)
@@ -332,11 +347,13 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
             for scenario in SCENARIOS:
                 steps = mixed_steps if scenario.new_prompts else decode_steps
                 profiles.setdefault(("compiled", scenario.name), []).append(
-                    profile_scenario(engine, scenario, steps, forward=profiled))
+                    profile_scenario(engine, scenario, steps, forward=profiled)
+                    .assign(**unprofiled(time_scenario(engine, scenario, steps))))
                 if vllm is not None:
                     profiles.setdefault(("vLLM", scenario.name), []).append(
                         profile_vllm_steps(vllm, lm, scenario, steps)
-                        .assign(peer_version=vllm.version))
+                        .assign(**unprofiled(time_vllm_steps(vllm, lm, scenario, steps)),
+                                peer_version=vllm.version))
     finally:
         engine.close()
         if vllm is not None:
@@ -345,8 +362,10 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
                       ignore_index=True).assign(model=lm.name, **run_metadata(lm.device))
     for (system, name), parts in table.groupby(["system", "scenario"], sort=False):
         first = parts.iloc[0]
-        print(f"{system}, {name}: {first.step_ms:.1f} ms a step (median of {first.rounds} "
-              f"rounds, {first.step_ms_min:.1f}-{first.step_ms_max:.1f})\n"
+        print(f"{system}, {name}: {first.step_ms:.1f} ms a step profiled (median of "
+              f"{first.rounds} rounds, {first.step_ms_min:.1f}-{first.step_ms_max:.1f}), "
+              f"{first.unprofiled_step_ms:.1f} not ({first.unprofiled_ms_min:.1f}-"
+              f"{first.unprofiled_ms_max:.1f})\n"
               f"{parts[['part', 'ms_per_step', 'share_pct']].round(1).to_string(index=False)}")
     path = _path(lm.device, "-kernels")
     table.to_csv(path, index=False)

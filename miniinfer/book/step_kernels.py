@@ -21,6 +21,7 @@ of its own, its small ops inductor's code).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -128,17 +129,40 @@ def joining_prompts(lm, scenario: StepScenario, step: int) -> list[list[int]]:
 def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
                      warm_steps: int = 3) -> pd.DataFrame:
     """``steps`` steps of ``scenario`` on ``engine`` (an idle continuous engine) under
-    torch.profiler, after its requests' prompts and ``warm_steps`` unprofiled steps -> one row
-    per part: ``ms_per_step`` and ``share_pct`` of the steps' wall time. ``forward``: the
-    forward the warm and profiled steps run (default: the engine's own), over the engine's
-    pool; the prompts run on the engine's own, so that their odd-sized last steps use graphs
-    the engine has, not new ones compiled for the profile. Raises if a profiled step is not the
-    scenario's shape (the engine scheduled something else)."""
+    torch.profiler (:func:`_scenario_steps`) -> one row per part: ``ms_per_step`` and
+    ``share_pct`` of the steps' wall time. ``forward``: the forward the warm and profiled steps
+    run (default: the engine's own), over the engine's pool."""
     from torch.profiler import ProfilerActivity, profile
 
-    if engine.has_unfinished_requests():
-        raise RuntimeError("profile_scenario needs an idle engine")
     projections = projection_names(engine.model)
+    prof = profile(activities=[ProfilerActivity.CPU])
+    wall_s = sum(_scenario_steps(engine, scenario, steps, forward, warm_steps, prof))
+    parts: dict[str, float] = {}
+    for event in prof.key_averages():
+        part = _part(event.key, projections)
+        if part is not None:
+            us = event.cpu_time_total if event.key in _OPS else event.self_cpu_time_total
+            parts[part] = parts.get(part, 0.0) + us / 1e3
+    return _parts_table(parts, wall_s, steps, scenario, "compiled")
+
+
+def time_scenario(engine, scenario: StepScenario, steps: int, warm_steps: int = 3) -> list[float]:
+    """The same steps as :func:`profile_scenario`, on the engine's own forward and with no
+    profiler -> each step's seconds. The profiler costs a step something per op it records, and
+    ours calls more ops than vLLM's (a Python custom op for each oneDNN matmul, every generated
+    kernel an event with the kernel profile), so a comparison of whole steps needs these."""
+    return _scenario_steps(engine, scenario, steps, None, warm_steps, contextlib.nullcontext())
+
+
+def _scenario_steps(engine, scenario: StepScenario, steps: int, forward,
+                    warm_steps: int, around: contextlib.AbstractContextManager) -> list[float]:
+    """``scenario``'s requests' prompts, then ``warm_steps`` steps, then ``steps`` steps inside
+    ``around`` -> those steps' seconds. The prompts run on the engine's own forward, so that
+    their odd-sized last steps use graphs the engine has, not new ones compiled for a profile;
+    the other steps on ``forward`` (default: the engine's own). Raises if a step inside is not
+    the scenario's shape (the engine scheduled something else)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("a step profile needs an idle engine")
     runner = engine.runner
     own, forward = runner.forward, forward or runner.forward
     # Enough tokens for every step until the last profiled one: a request whose prompt ends
@@ -169,19 +193,12 @@ def profile_scenario(engine, scenario: StepScenario, steps: int, forward=None,
         runner.forward = forward
         for _ in range(warm_steps):
             one_step(check=False)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            wall_s = sum(one_step(check=True) for _ in range(steps))
+        with around:
+            return [one_step(check=True) for _ in range(steps)]
     finally:  # the engine idle again and on its own forward, whatever happened
         runner.forward = own
         for request_id in list(engine.requests):
             engine.abort(request_id)
-    parts: dict[str, float] = {}
-    for event in prof.key_averages():
-        part = _part(event.key, projections)
-        if part is not None:
-            us = event.cpu_time_total if event.key in _OPS else event.self_cpu_time_total
-            parts[part] = parts.get(part, 0.0) + us / 1e3
-    return _parts_table(parts, wall_s, steps, scenario, "compiled")
 
 
 def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
@@ -190,10 +207,7 @@ def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
     process, after its prompts and ``warm_steps`` steps -> the rows of
     :func:`profile_scenario`, in vLLM's parts, with the same new prompts
     (:func:`joining_prompts`)."""
-    joiners = [joining_prompts(lm, scenario, k) for k in range(1, warm_steps + steps + 1)] \
-        if scenario.new_prompts else None
-    window = peer.profile_steps(make_prompts(lm, scenario.decodes, scenario.context),
-                                warm_steps, steps, joiners)
+    window = _vllm_window(peer, lm, scenario, steps, warm_steps, profile=True)
     parts: dict[str, float] = {}
     for op in window["ops"]:
         part = _VLLM_OPS.get(op["op"]) or (VLLM_GRAPHS if _COMPILED_GRAPH_CALL.match(op["op"])
@@ -203,15 +217,37 @@ def profile_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
     return _parts_table(parts, window["wall_s"], window["steps"], scenario, "vLLM")
 
 
+def time_vllm_steps(peer, lm, scenario: StepScenario, steps: int,
+                    warm_steps: int = 3) -> list[float]:
+    """:func:`profile_vllm_steps`'s steps with no profiler -> each step's seconds (see
+    :func:`time_scenario`)."""
+    return _vllm_window(peer, lm, scenario, steps, warm_steps, profile=False)["step_s"]
+
+
+def _vllm_window(peer, lm, scenario: StepScenario, steps: int, warm_steps: int,
+                 profile: bool) -> dict:
+    joiners = [joining_prompts(lm, scenario, k) for k in range(1, warm_steps + steps + 1)] \
+        if scenario.new_prompts else None
+    return peer.profile_steps(make_prompts(lm, scenario.decodes, scenario.context),
+                              warm_steps, steps, joiners, profile=profile)
+
+
 def median_round(tables: list[pd.DataFrame]) -> pd.DataFrame:
     """Of one system's and scenario's profiles over several rounds, the one whose step time is
     the median (the lower middle of an even count), its parts as profiled (medians taken part
     by part would not add up to a step), with ``rounds`` and the range of the rounds' step
-    times (``step_ms_min``, ``step_ms_max``)."""
+    times (``step_ms_min``, ``step_ms_max``). Where the rounds also timed their steps without
+    the profiler (an ``unprofiled_step_ms`` column, each round's median step), that column
+    becomes the median of the rounds', with its range (``unprofiled_ms_min``, ``_max``)."""
     step_ms = [float(t.step_ms.iloc[0]) for t in tables]
     middle = sorted(range(len(tables)), key=step_ms.__getitem__)[(len(tables) - 1) // 2]
-    return tables[middle].assign(rounds=len(tables), step_ms_min=min(step_ms),
+    kept = tables[middle].assign(rounds=len(tables), step_ms_min=min(step_ms),
                                  step_ms_max=max(step_ms))
+    if all("unprofiled_step_ms" in t for t in tables):
+        unprofiled = sorted(float(t.unprofiled_step_ms.iloc[0]) for t in tables)
+        kept = kept.assign(unprofiled_step_ms=unprofiled[(len(tables) - 1) // 2],
+                           unprofiled_ms_min=unprofiled[0], unprofiled_ms_max=unprofiled[-1])
+    return kept
 
 
 def _parts_table(parts: dict[str, float], wall_s: float, steps: int, scenario: StepScenario,

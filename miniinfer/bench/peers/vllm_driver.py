@@ -16,9 +16,11 @@ its answer ``{"runs": [{"duration_s": ..., "requests": [{"token_ids": [...], "sc
 ..., "token_times_s": [...]}, ...]}, ...]}`` (one run per repeat, times in seconds from the
 run's start), with ``"ops": [{"op": ..., "calls": ..., "self_ms": ..., "total_ms": ...}, ...]``
 for a profiled job (the last run's, under torch.profiler), ``"window": {"steps": n,
-"wall_s": ..., "ops": [...]}`` for a job with ``"profile_steps": {"warm_steps": w, "steps":
-n}`` (the last run's steps ``w + 1`` to ``w + n`` after every request had its first token, all
-decodes then, under torch.profiler: a decode step of the batch alone), or ``{"error": "..."}``.
+"wall_s": ..., "step_s": [...], "ops": [...]}`` for a job with ``"profile_steps":
+{"warm_steps": w, "steps": n}`` (the last run's steps ``w + 1`` to ``w + n`` after every
+request had its first token, all decodes then, under torch.profiler: a decode step of the batch
+alone; with ``"profile": false`` in it, the same steps timed with no profiler and ``ops``
+empty), or ``{"error": "..."}``.
 A window may add ``"joiners": [[prompt_ids, ...], ...]``, the new prompts (one token each,
 not in the run's answer) added before each of its ``w + n`` steps: a profiled step is then the
 batch's decodes and those prompts whole, as a served step that admits new requests is. Only the
@@ -113,11 +115,13 @@ class _StepWindow:
         self.warm, self.steps, self.num_requests = window["warm_steps"], window["steps"], \
             num_requests
         self.joiners = window.get("joiners") or []
+        self.profile = window.get("profile", True)
         if self.joiners and len(self.joiners) != self.warm + self.steps:
             raise ValueError(f"a window of {self.warm} + {self.steps} steps needs as many lists "
                              f"of joiners, got {len(self.joiners)}")
         self.after_first = 0  # steps since every request had its first token
-        self.prof, self.wall_s, self.step_start, self.expected = None, 0.0, None, 0
+        self.prof, self.step_start, self.expected = None, None, 0
+        self.step_s: list[float] = []
 
     def before_step(self, all_started: bool) -> list[list[int]]:
         """Starts the profiler and the step's clock where the window does -> the prompts that
@@ -126,7 +130,7 @@ class _StepWindow:
         if not all_started or self.after_first == self.warm + self.steps:
             return []
         self.after_first += 1
-        if self.after_first == self.warm + 1:
+        if self.after_first == self.warm + 1 and self.profile:
             from torch.profiler import ProfilerActivity, profile
 
             self.prof = profile(activities=[ProfilerActivity.CPU])
@@ -140,9 +144,9 @@ class _StepWindow:
     def after_step(self, num_outputs: int) -> None:
         if self.step_start is None:
             return
-        self.wall_s += time.perf_counter() - self.step_start
+        self.step_s.append(time.perf_counter() - self.step_start)
         last = self.after_first == self.warm + self.steps
-        if last or num_outputs != self.expected:
+        if self.prof is not None and (last or num_outputs != self.expected):
             self.prof.stop()
         if num_outputs != self.expected:
             raise RuntimeError(f"a profiled step gave {num_outputs} of {self.expected} "
@@ -154,7 +158,8 @@ class _StepWindow:
             raise RuntimeError(f"the run ended {self.after_first} steps after every request "
                                f"had its first token; the window needs "
                                f"{self.warm + self.steps}")
-        return {"steps": self.steps, "wall_s": self.wall_s, "ops": _ops(self.prof)}
+        return {"steps": self.steps, "wall_s": sum(self.step_s), "step_s": self.step_s,
+                "ops": _ops(self.prof) if self.prof is not None else []}
 
 
 def run_job(llm, job: dict[str, Any]) -> dict[str, Any]:

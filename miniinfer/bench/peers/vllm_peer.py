@@ -266,18 +266,21 @@ class VLLMEngine(Engine):
         return answer["runs"][0], answer["ops"]
 
     def profile_steps(self, prompts: list[list[int]], warm_steps: int, steps: int,
-                      joiners: list[list[list[int]]] | None = None) -> dict[str, Any]:
+                      joiners: list[list[list[int]]] | None = None,
+                      profile: bool = True) -> dict[str, Any]:
         """``steps`` steps of the whole batch of ``prompts`` under torch.profiler, ``warm_steps``
         after every prompt had its first token (greedy, one plain run first), ``joiners[k]``
         (new prompts of one token each) added before the ``k``-th of those ``warm_steps +
-        steps``: ``{"steps", "wall_s", "ops"}``, the ops by self time (see :mod:`.vllm_driver`).
-        Without joiners, decode steps."""
+        steps``: ``{"steps", "wall_s", "step_s", "ops"}``, each step's seconds and the ops by
+        self time (see :mod:`.vllm_driver`). Without joiners, decode steps; with ``profile``
+        false, the same steps timed with no profiler (``ops`` empty)."""
         # A prompt prefilled in the first chunk decodes while the others prefill, and must not
         # finish before the window ends: room for every chunk of the prompts besides.
         prompt_steps = -(-sum(map(len, prompts)) // self.engine_config["max_num_batched_tokens"])
         requests = [{"prompt_ids": p, "max_tokens": prompt_steps + warm_steps + steps + 2}
                     for p in prompts]
-        window = {"warm_steps": warm_steps, "steps": steps, "joiners": joiners}
+        window = {"warm_steps": warm_steps, "steps": steps, "joiners": joiners,
+                  "profile": profile}
         answer = self.process.ask({"requests": requests,
                                    "sampling": _sampling(SamplingParams(ignore_eos=True)),
                                    "warmup": 1, "repeat": 1, "profile_steps": window})
