@@ -204,6 +204,10 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
 # each vLLM engine or server starts in 2-6 minutes.
 COMPILE_S = 2 * 660
 VLLM_START_S = 2 * 240
+# Chapter 11's step profile (book.catching.record_step_kernels): 3 rounds of 4 step shapes on
+# both systems, each profiled and then timed with no profiler, and its profiled forward's graphs
+# from inductor's cache: 874 s on the Zen 3 (git c7a66ed), kept as the estimate on any CPU.
+STEP_PROFILE_S = 874
 
 
 def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
@@ -233,7 +237,7 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     ablation, chapter 08's target workload with ``continuous``, ``compiled`` and vLLM (and in
     bf16 with ``compiled`` and vLLM), its budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
     compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
-    or not the peer is installed: an upper bound), with the start-ups."""
+    or not the peer is installed: an upper bound), the step profile, with the start-ups."""
     from .catching import BATCH_SIZES, SERVED_REPEATS
 
     model, base = default_workload(device)
@@ -270,7 +274,7 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
                + COMPILE_S / 4 + VLLM_START_S + 2 * SERVED_REPEATS * target_s
                + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
                + (vllm_starts + 1) * VLLM_START_S / 2 + (3 * SERVED_REPEATS + 4) * target_s
-               + len(budget.max_num_batched_tokens) * budget_s)
+               + len(budget.max_num_batched_tokens) * budget_s + STEP_PROFILE_S)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
                           f"target workload (in-process, over HTTP, profiled) and budget sweep")
