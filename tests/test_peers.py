@@ -49,7 +49,7 @@ FAKE_VERSION = "0.0.1-fake"
 # token 999 fails the step; the model directory must hold the config we wrote.
 FAKE_VLLM = {
     "vllm/__init__.py": f"""
-        import os, types
+        import os, sys, types
         __version__ = "{FAKE_VERSION}"
         from vllm.sampling_params import SamplingParams
 
@@ -69,6 +69,15 @@ FAKE_VLLM = {
                 return bool(self.requests)
 
             def step(self):
+                # Seen by a profiler the driver started (it imports torch to do so), as vLLM's
+                # ops would be; the fake imports nothing heavy itself.
+                torch = sys.modules.get("torch")
+                if torch is None:
+                    return self._step()
+                with torch.profiler.record_function("fake vllm step"):
+                    return self._step()
+
+            def _step(self):
                 print("fake vllm: a log line on stdout")
                 outputs = []
                 for rid, state in list(self.requests.items()):
@@ -341,9 +350,12 @@ def test_a_profiled_window_is_the_decode_steps_after_every_first_token(tiny, fak
 def test_an_unprofiled_window_times_the_same_steps_with_no_profiler(tiny, fake_vllm):
     engine = VLLMEngine(tiny, install=fake_vllm, in_process=True)
     try:
-        window = engine.profile_steps([[1, 2], [7]], warm_steps=2, steps=3, profile=False)
+        profiled, window = (engine.profile_steps([[1, 2], [7]], warm_steps=2, steps=3,
+                                                 profile=profile) for profile in (True, False))
     finally:
         engine.close()
+    # The profiled window records the fake's steps; the other records nothing.
+    assert "fake vllm step" in {op["op"] for op in profiled["ops"]}
     assert window["ops"] == [] and len(window["step_s"]) == 3
     assert all(s > 0 for s in window["step_s"])
 
