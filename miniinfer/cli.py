@@ -1,12 +1,13 @@
-"""Command line: ``python -m miniinfer generate | bench | bench-serving | serve | engines | models | results |
-repro NN``.
+"""miniinfer's command line: generate text, benchmark, serve, and list or reproduce the book's results.
 
-User errors (unknown names, empty or over-long prompts, unreadable input files, an ``--out``
-that cannot be written, impossible sampling values, devices or sizes, a port that cannot be
-listened on, a ``--base-url`` where no server answers) print one line to stderr and exit with
-status 2, and are checked before the model loads where they can be; anything else is a bug and
-keeps its traceback. Results are written whole or not at all (a temporary file, renamed). Ctrl-C exits with status 130 and one line; ``bench`` and ``bench-serving``
-first write what had finished (marked ``partial=True``).
+Subcommands: ``generate | bench | bench-serving | serve | engines | models | chapters | results |
+device | repro NN``. User errors (unknown names, empty or over-long prompts, unreadable input
+files, an ``--out`` that cannot be written, impossible sampling values, devices or sizes, a port
+that cannot be listened on, a ``--base-url`` where no server answers) print one line to stderr
+and exit with status 2, and are checked before the model loads where they can be; anything else
+is a bug and keeps its traceback. Results are written whole or not at all (a temporary file,
+renamed). Ctrl-C exits with status 130 and one line; ``bench`` and ``bench-serving`` first write
+what had finished (marked ``partial=True``).
 """
 
 from __future__ import annotations
