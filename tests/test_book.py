@@ -341,6 +341,7 @@ def test_every_notebook_opens_with_its_recorded_callout():
             f"with miniinfer.book.callouts.update_notebooks()")
         cpu, gpu = expected.split("> **On a GPU you will see**")
         assert cpu.count("\n> - ") == 2 and gpu.count("\n> - ") == 2, expected
+        assert "(recorded on )" not in expected, expected  # lines from rows name their device
 
 
 def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
@@ -378,12 +379,32 @@ def test_gpu_callouts_quote_the_recorded_gpu_rows():
     stages = on_device(pd.concat([recorded_results(c) for c in STAGE_CHAPTERS]), gpu=True)
     gpu, = set(stages.device_name)
     overview = callout("00").split("On a GPU")[1]
-    assert f"(recorded on {gpu})" in overview
+    assert f"(recorded on {gpu}" in overview
     graph = graph[graph.device_name == gpu]
     if graph.empty:
         assert "CUDA graph" not in overview
     else:
         assert f"CUDA graph replays them at {graph.pct_of_hf.iloc[-1]:.0f}%" in overview
+
+
+def test_the_overview_names_the_gpu_of_its_serving_lines_where_another_recorded_the_stages():
+    """The overview's stage line reads the latest GPU to record the stage chapters, its serving
+    line the latest to record chapters 08 and 09: where they differ (an H200 recorded the stages,
+    an H100 the serving runs) the heading names both and the serving line its own."""
+    from miniinfer.book.callout_rows import on_device, runs_of
+    from miniinfer.book.callouts import callout
+    from miniinfer.book.results import STAGE_CHAPTERS, recorded_results
+
+    stages = on_device(pd.concat([recorded_results(c) for c in STAGE_CHAPTERS]), gpu=True)
+    serving = on_device(runs_of("08", "runs"), gpu=True)
+    if stages.empty or serving.empty:
+        pytest.skip("no GPU recorded both the stage chapters and chapter 08")
+    (stage_gpu,), (serving_gpu,) = set(stages.device_name), set(serving.device_name)
+    heading, stage_line, serving_line = callout("00").split("On a GPU")[1].split("\n> - ")
+    assert stage_gpu in heading and serving_gpu in heading
+    assert ("(on the " in serving_line) == (serving_gpu != stage_gpu)
+    if serving_gpu != stage_gpu:
+        assert f"(on the {serving_gpu})" in serving_line
 
 
 def test_a_gpu_callout_quotes_one_gpu_the_latest_recorded():
