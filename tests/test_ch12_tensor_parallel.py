@@ -343,6 +343,7 @@ def test_all_reduce_table_has_a_row_per_size_and_rank_count():
     assert [(r["world_size"], r["message_bytes"]) for r in rows] == [(2, 1024), (2, 65536)]
     assert all(0 < r["min_us"] <= r["p50_us"] for r in rows)
     assert all(r["busbw_GBps"] == pytest.approx(r["algbw_GBps"]) for r in rows)  # 2(N-1)/N = 1
+    assert {r["dtype"] for r in rows} == {"float32"}  # what the recorded table says it summed
 
 
 def test_paper_arithmetic_for_7b_and_70b():

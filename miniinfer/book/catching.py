@@ -121,7 +121,8 @@ def record_offline(lm: LoadedModel, peer: bool) -> list[Path]:
     pd.DataFrame([{"graph": graph, "tokens": tokens, "compile_s": seconds}
                   for (graph, tokens), seconds in sorted(forward.compile_seconds.items())]) \
         .assign(compiled=forward.compiled, reason_eager=forward.reason_eager or "",
-                model=lm.name, **run_metadata(dev)).to_csv(compile_path, index=False)
+                model=lm.name, dtype=dtype_name(lm.dtype), **run_metadata(dev)) \
+        .to_csv(compile_path, index=False)
     return _wrote(bench_path, compile_path)
 
 
@@ -302,7 +303,7 @@ def record_profiles(lm: LoadedModel, target: ServingBenchConfig, with_peer: bool
             peer_version=vllm.version))
     table = pd.concat(tables, ignore_index=True).assign(
         max_num_batched_tokens=budget, num_requests=len(workload), model=lm.name,
-        **run_metadata(lm.device))
+        dtype=dtype_name(lm.dtype), **run_metadata(lm.device))
     for system, ops in table.groupby("system", sort=False):
         print(f"{system}:\n{ops.head(8)[['op', 'calls', 'self_ms', 'share_pct']].to_string(index=False)}")
     path = _path(lm.device, "-profile")
@@ -359,7 +360,8 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
         if vllm is not None:
             vllm.close()
     table = pd.concat([median_round(tables) for tables in profiles.values()],
-                      ignore_index=True).assign(model=lm.name, **run_metadata(lm.device))
+                      ignore_index=True).assign(model=lm.name, dtype=dtype_name(lm.dtype),
+                                                **run_metadata(lm.device))
     for (system, name), parts in table.groupby(["system", "scenario"], sort=False):
         first = parts.iloc[0]
         print(f"{system}, {name}: {first.step_ms:.1f} ms a step profiled (median of "

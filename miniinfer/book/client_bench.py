@@ -28,10 +28,11 @@ def free_port() -> int:
 
 def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str],
                             max_num_batched_tokens: int,
-                            prompts: RandomPrompts | None = None) -> list[Path]:
+                            prompts: RandomPrompts | None = None,
+                            dtype: str = "float32") -> list[Path]:
     """``vllm bench serve`` with each backend against ``miniinfer serve`` (``serve_args``) and
-    against ``vllm serve`` with the same token budget -> ``ch10/<device>-vllm-bench.csv``, one
-    row per server and backend. SmolLM2 only: the client reads the tokenizer from its
+    against ``vllm serve`` with the same token budget and ``dtype`` (the one ``serve_args``
+    give ours) -> ``ch10/<device>-vllm-bench.csv``, one row per server and backend. SmolLM2 only: the client reads the tokenizer from its
     directory, and vLLM serves that directory."""
     from ..server import ServerProcess
 
@@ -51,7 +52,7 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
             rows.append({"server": "miniinfer", "backend": backend,
                          **run_vllm_bench_serve(ours.url, model, tokenizer, backend, prompts)})
             print(rows[-1])
-    with start_vllm_server(tokenizer, model, port=free_port(),
+    with start_vllm_server(tokenizer, model, port=free_port(), dtype=dtype,
                            max_num_batched_tokens=max_num_batched_tokens) as peer:
         for backend in ENDPOINTS:
             rows.append({"server": f"vllm serve ({peer.version})", "backend": backend,
@@ -60,7 +61,7 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
             print(rows[-1])
     path = RESULTS / "ch10" / f"{device_slug(dev)}-vllm-bench.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).assign(chapter="10", model=model, num_prompts=prompts.num_prompts,
+    pd.DataFrame(rows).assign(chapter="10", model=model, dtype=dtype, num_prompts=prompts.num_prompts,
                               input_len=prompts.input_len, output_len=prompts.output_len,
                               **run_metadata(dev)).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")

@@ -276,7 +276,7 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     target = replace(experiments["target"], systems=("continuous",), chapter="10")
     lm = load_model(model, device=dev)
     # The server's engine gets the same token budget and KV pool as the in-process one.
-    server_args = ["--device", str(dev),
+    server_args = ["--device", str(dev), "--dtype", dtype_name(lm.dtype),
                    "--max-num-batched-tokens", str(target.max_num_batched_tokens[0]),
                    "--kv-cache-bytes", str(target.kv_cache_bytes or default_pool_bytes(lm))]
     runs, requests = [], []
@@ -297,7 +297,8 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     print("\n".join(server_cost_sentences(cost)))
     # The field's own client against our server and vLLM's (when the peer is installed).
     client_runs = record_vllm_bench_serve(dev, model, server_args,
-                                          target.max_num_batched_tokens[0])
+                                          target.max_num_batched_tokens[0],
+                                          dtype=dtype_name(lm.dtype))
     table = pd.concat(runs, ignore_index=True)
     by_round = table.pivot_table(index="round", columns="system",
                                  values=["output_throughput", "ttft_p50_ms"])

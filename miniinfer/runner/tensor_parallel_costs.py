@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..core.models import CONFIG_DIR
+from ..core.models import CONFIG_DIR, dtype_name
 from .tensor_parallel import (
     DEFAULT_START_TIMEOUT_S,
     EXIT_GRACE_S,
@@ -54,6 +54,10 @@ ALL_REDUCE_LATENCY_BEST_S = 5e-6
 ALL_REDUCE_LATENCY_TYPICAL_S = 10e-6
 PAPER_DTYPE_BYTES = 2  # bf16 weights and activations
 PAPER_TP_SIZES = (1, 2, 4, 8)
+
+
+# What the timed all-reduces sum: a TP step's activations in fp32 (4 bytes an element).
+MESSAGE_DTYPE = torch.float32
 
 
 def measure_all_reduce(world_sizes: tuple[int, ...] = (2, 3),
@@ -90,7 +94,7 @@ def measure_all_reduce(world_sizes: tuple[int, ...] = (2, 3),
             rows.append({"world_size": n, "backend": "gloo", "message_bytes": nbytes,
                          "p50_us": p50 * 1e6, "min_us": min(seconds) * 1e6,
                          "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n,
-                         "repeats": repeats})
+                         "repeats": repeats, "dtype": dtype_name(MESSAGE_DTYPE)})
     return rows
 
 
@@ -104,7 +108,7 @@ def _time_all_reduces(message_bytes: tuple[int, ...], repeats: int,
                       warmup: int) -> dict[int, list[float]]:
     times = {}
     for nbytes in message_bytes:
-        x = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros: sums stay finite
+        x = torch.zeros(nbytes // 4, dtype=MESSAGE_DTYPE)  # zeros: sums stay finite
         for _ in range(warmup):
             dist.all_reduce(x)
         seconds = []
