@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 from miniinfer import ENGINES
 from miniinfer.bench.profiling import load_trace
@@ -109,6 +110,25 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
     assert results.this_device_or_live(tiny, full)[0] is live
     df, source = results.this_device_or_live(tiny, full, suffix="-bench")
     assert source.endswith("-bench.csv)") and df.tok_s.iloc[0] == 2.0
+
+
+def test_a_live_table_names_its_host_as_the_recorded_tables_do(tiny, monkeypatch):
+    """A notebook's live cells print the device by the name the recorded tables read back
+    (a CPU with its instruction set), so a live row on a Zen 3 is not taken for the recorded
+    Zen 4's; a GPU is named as it is."""
+    from miniinfer.book.results import with_isa
+    from miniinfer.core import devices
+
+    isa = devices.device_isa(tiny.device)
+    label = devices.device_label(tiny.device)
+    assert label == f"{devices.device_name(tiny.device)} ({isa})"
+    assert with_isa(pd.Series(["AMD EPYC"]), pd.Series([isa])).tolist() == [f"AMD EPYC ({isa})"]
+    speed = devices.DeviceSpeed("cpu-amd-epyc-avx2", "AMD EPYC", 29.4, 166.0, 2, "t", "d", "AVX2")
+    assert speed.label == "AMD EPYC (AVX2)"
+    gpu = devices.DeviceSpeed("cuda-nvidia-h200", "NVIDIA H200", 4000.0, 9e5, 1, "t", "d", "sm_90")
+    assert gpu.label == "NVIDIA H200"
+    monkeypatch.setattr(devices, "device_name", lambda device: "NVIDIA H200")
+    assert devices.device_label(torch.device("cuda")) == "NVIDIA H200"
 
 
 def test_spread_table_shows_each_engines_range_but_not_hfs():
@@ -459,3 +479,17 @@ def test_chapter_00_has_the_glossary():
                     if "".join(c["source"]).startswith("## Glossary"))
     for term in ("TTFT", "TPOT", "ITL", "goodput", "block", "slot mapping", "roofline", "GQA"):
         assert f"**{term}**" in glossary, term
+
+
+def test_every_recorded_table_names_its_machine_dtype_versions_and_commit():
+    """Every figure traces to a device, a dtype, the software and the commit that measured it:
+    each recorded CSV carries those columns (devices.csv, the speed-of-light table, is keyed by
+    device and says its dtype in ``how_measured``)."""
+    from miniinfer.book.results import RESULTS
+
+    needed = {"device", "device_name", "dtype", "torch", "git_sha", "date"}
+    files = [p for p in sorted(RESULTS.rglob("*.csv")) if p.name != "devices.csv"]
+    assert files
+    missing = {str(p.relative_to(RESULTS)): sorted(needed - set(pd.read_csv(p, nrows=0).columns))
+               for p in files}
+    assert not {name: cols for name, cols in missing.items() if cols}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.devices import REPO_ROOT
+from ..core.devices import REPO_ROOT, cpu_label
 from .chapters import chapter_of_stage
 from .presets import Preset
 
@@ -29,8 +29,9 @@ def read_results(path) -> pd.DataFrame:
 
 
 def with_isa(names: pd.Series, isa: pd.Series) -> pd.Series:
-    """A CPU's name as the tables show it: "AMD EPYC (AVX2)"."""
-    return names + " (" + isa + ")"
+    """CPUs' names as the tables show them (:func:`~miniinfer.core.devices.cpu_label`)."""
+    return pd.Series([cpu_label(n, i) for n, i in zip(names, isa, strict=True)],
+                     index=names.index, dtype=object)
 
 
 def _is_sweep(path) -> bool:

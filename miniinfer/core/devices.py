@@ -36,6 +36,18 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_label(name: str, isa: str) -> str:
+    """A CPU as the book's tables name it, its name and instruction set: "AMD EPYC (AVX2)"."""
+    return f"{name} ({isa})"
+
+
+def device_label(device: torch.device) -> str:
+    """This device as the recorded tables name it: a GPU by its name, a CPU by
+    :func:`cpu_label` (so a live table says which of two hosts of one name it ran on)."""
+    name = device_name(device)
+    return name if device.type == "cuda" else cpu_label(name, device_isa(device))
+
+
 def device_isa(device: torch.device) -> str:
     """What the device computes with, beyond its name: hosts sold under one CPU name differ
     (an "AMD EPYC" VM here was a Zen 4 with AVX-512 one day and a Zen 3 with AVX2 only the
@@ -153,6 +165,12 @@ class DeviceSpeed:
     @property
     def key(self) -> tuple[str, str]:
         return self.slug, self.isa
+
+    @property
+    def label(self) -> str:
+        """The device as the tables name it (:func:`device_label`)."""
+        return cpu_label(self.name, self.isa) if self.slug.startswith("cpu") and self.isa \
+            else self.name
 
     @property
     def bandwidth(self) -> float:  # bytes/s
