@@ -347,7 +347,8 @@ def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
 
 
 def test_every_notebook_opens_with_its_recorded_callout():
-    from miniinfer.book.callouts import MARK, callout, notebook_callout
+    from miniinfer.book.callouts import MARK, callout
+    from miniinfer.book.notebook_callouts import notebook_callout
 
     for number, chapter in CHAPTERS.items():
         path = CHAPTERS_DIR / chapter.notebook
@@ -358,7 +359,7 @@ def test_every_notebook_opens_with_its_recorded_callout():
         expected = callout(number)
         assert notebook_callout(path) == expected, (
             f"{chapter.notebook}: its callout no longer matches the recorded rows; rewrite it "
-            f"with miniinfer.book.callouts.update_notebooks()")
+            f"with miniinfer.book.notebook_callouts.update_notebooks()")
         cpu, gpu = expected.split("> **On a GPU you will see**")
         assert cpu.count("\n> - ") == 2 and gpu.count("\n> - ") == 2, expected
         assert "(recorded on )" not in expected, expected  # lines from rows name their device

@@ -4,11 +4,13 @@ the speed of light."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pandas as pd
 
 from ..bench.serving.metrics import median_of_repeats
 from . import analysis
-from .results import RESULTS, read_results
+from .results import RESULTS, STAGE_CHAPTERS, read_results, recorded_results
 
 
 def runs_of(chapter: str, kind: str) -> pd.DataFrame:
@@ -87,3 +89,26 @@ def experiments_of(chapter: str, gpu: bool, *names: str) -> list[pd.DataFrame] |
         return None
     return [median_of_repeats(runs[runs.experiment == name]).set_index("system")
             for name in names]
+
+
+def overview_sources(gpu: bool) -> list[pd.DataFrame]:
+    """The overview's two sources, each on its own latest device of the kind: the stage
+    chapters' benchmarks, and chapters 08 and 09's serving runs (a GPU may have recorded one and
+    not the other)."""
+    recorded = [f for f in (recorded_results(c) for c in STAGE_CHAPTERS) if not f.empty]
+    stages = on_device(pd.concat(recorded, ignore_index=True), gpu) if recorded else pd.DataFrame()
+    return [stages, on_device(runs_of("08", "runs"), gpu), on_device(runs_of("09", "runs"), gpu)]
+
+
+def ch04_sources(gpu: bool) -> list[pd.DataFrame]:
+    """Chapter 04's benchmark (or, where a device recorded none, chapter 05's, which runs the
+    same stage: the H200 recorded only that one) and chapter 05's op counts."""
+    bench = on_device(recorded_results("04"), gpu)
+    if bench.empty:
+        bench = on_device(runs_of("05", "bench"), gpu)
+    return [bench, on_device(runs_of("05", "ops"), gpu)]
+
+
+# The chapters whose lines read more than their own recorded rows.
+CALLOUT_SOURCES: dict[str, Callable[[bool], list[pd.DataFrame]]] = {
+    "00": overview_sources, "04": ch04_sources}

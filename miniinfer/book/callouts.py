@@ -4,12 +4,12 @@ same lines from a recorded GPU row once one exists, until then a reference post'
 
 The callout is generated, never typed: ``callout(chapter)`` is the markdown a notebook's first
 cell carries under its title (a test checks that it does, so a re-recording that changes the
-numbers fails until the notebooks are updated: :func:`update_notebooks` rewrites them).
+numbers fails until the notebooks are updated:
+:func:`~miniinfer.book.notebook_callouts.update_notebooks` rewrites them).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import pandas as pd
@@ -17,11 +17,14 @@ import pandas as pd
 from ..bench.serving.metrics import median_of_repeats
 from . import analysis
 from .callout_rows import (
+    CALLOUT_SOURCES,
     bench_of,
+    ch04_sources,
     device_of,
     experiments_of,
     floor_line,
     on_device,
+    overview_sources,
     pcts,
     runs_of,
     span,
@@ -31,7 +34,6 @@ from .gpu_figures import GPU_FIGURES
 from .profiles import host_share
 from .references import POSTS
 from .results import (
-    STAGE_CHAPTERS,
     device_names,
     read_results,
     recorded_context_sweeps,
@@ -44,21 +46,12 @@ from .roofline import FAR_BELOW
 MARK = "**On a CPU you will see**"
 
 
-def _overview_sources(gpu: bool) -> list[pd.DataFrame]:
-    """The overview's two sources, each on its own latest device of the kind: the stage
-    chapters' benchmarks, and chapters 08 and 09's serving runs (a GPU may have recorded one and
-    not the other)."""
-    recorded = [f for f in (recorded_results(c) for c in STAGE_CHAPTERS) if not f.empty]
-    stages = on_device(pd.concat(recorded, ignore_index=True), gpu) if recorded else pd.DataFrame()
-    return [stages, on_device(runs_of("08", "runs"), gpu), on_device(runs_of("09", "runs"), gpu)]
-
-
 # Each chapter's two lines from its recorded rows of one kind of device (None: nothing recorded).
 def _ch00(gpu: bool) -> list[str] | None:
     from .results import stage_results
 
     stages = stage_results()
-    recorded, *serving_runs = _overview_sources(gpu)
+    recorded, *serving_runs = overview_sources(gpu)
     names = set(recorded.get("device_name", ()))
     stages = stages[stages.device_name.isin(names)] if not stages.empty else stages
     serving = experiments_of("08", gpu, "target")
@@ -150,17 +143,8 @@ def _ch03(gpu: bool) -> list[str] | None:
                     f"run per point)."]
 
 
-def _ch04_sources(gpu: bool) -> list[pd.DataFrame]:
-    """Chapter 04's benchmark (or, where a device recorded none, chapter 05's, which runs the
-    same stage: the H200 recorded only that one) and chapter 05's op counts."""
-    bench = on_device(recorded_results("04"), gpu)
-    if bench.empty:
-        bench = on_device(runs_of("05", "bench"), gpu)
-    return [bench, on_device(runs_of("05", "ops"), gpu)]
-
-
 def _ch04(gpu: bool) -> list[str] | None:
-    df, ops = _ch04_sources(gpu)
+    df, ops = ch04_sources(gpu)
     where = "" if (df.chapter.astype(str).str.zfill(2) == "04").all() else \
         " in chapter 05's benchmark"
     if df.empty or "paged-prealloc" not in set(df.engine) or ops.empty:
@@ -363,18 +347,13 @@ CPU_LINES: dict[str, Callable[[bool], list[str] | None]] = {
     "00": _ch00, "01": _ch01, "02": _ch02, "03": _ch03, "04": _ch04, "05": _ch05, "06": _ch06,
     "07": _ch07, "08": _ch08, "09": _ch09, "10": _ch10, "11": _ch11, "12": _ch12}
 
-# The chapters whose lines read more than their own recorded rows.
-SOURCES: dict[str, Callable[[bool], list[pd.DataFrame]]] = {"00": _overview_sources,
-                                                             "04": _ch04_sources}
-
-
 def callout(chapter: str) -> str:
     """The chapter's opening callout: two lines for a CPU, two for a GPU (markdown)."""
     cpu = CPU_LINES[chapter](False)
     gpu = CPU_LINES[chapter](True)
     def recorded_on(gpu: bool) -> list[str]:
-        if chapter in SOURCES:  # lines that read several sources, each from its latest device
-            return device_names(pd.concat(SOURCES[chapter](gpu), ignore_index=True))
+        if chapter in CALLOUT_SOURCES:  # lines that read several sources, each from its latest device
+            return device_names(pd.concat(CALLOUT_SOURCES[chapter](gpu), ignore_index=True))
         return device_names(on_device(recorded_rows([chapter]), gpu))
 
     where = ", ".join(recorded_on(gpu=False)) or "no CPU yet"
@@ -392,47 +371,3 @@ def callout(chapter: str) -> str:
         lines.append(f"> **On a GPU you will see** (no GPU row recorded yet{source}):")
         lines += [f"> - {line}" for line in figure]
     return "\n".join(lines)
-
-
-def notebook_callout(path) -> str | None:
-    """The callout block in a notebook's first cell (the lines after the title that start with
-    ``>``), or None."""
-    cells = json.loads(path.read_text())["cells"]
-    first = "".join(cells[0]["source"]).splitlines()
-    block = []
-    for line in first[1:]:
-        if line.startswith(">"):
-            block.append(line)
-        elif block:
-            break
-    return "\n".join(block) if block else None
-
-
-def update_notebooks() -> list[str]:
-    """Write each chapter's current callout into its notebook's first cell, right under the
-    title (replacing the one there); returns the chapters whose callout changed."""
-    import nbformat
-
-    from .chapters import CHAPTERS
-    from .overview import CHAPTERS_DIR
-
-    changed = []
-    for number, chapter in CHAPTERS.items():
-        if number not in CPU_LINES:
-            continue
-        path = CHAPTERS_DIR / chapter.notebook
-        nb = nbformat.read(path, as_version=4)
-        lines = nb.cells[0].source.splitlines()
-        title, rest = lines[0], lines[1:]
-        old = notebook_callout(path)
-        if old is not None:
-            start = rest.index(old.splitlines()[0])
-            rest = rest[:start] + rest[start + len(old.splitlines()):]
-        while rest and not rest[0].strip():
-            rest = rest[1:]
-        new = callout(number)
-        if new != old:
-            nb.cells[0].source = "\n".join([title, "", new, "", *rest])
-            nbformat.write(nb, path)
-            changed.append(number)
-    return changed
