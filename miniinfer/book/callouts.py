@@ -145,10 +145,9 @@ def _ch03(gpu: bool) -> list[str] | None:
 
 def _ch04(gpu: bool) -> list[str] | None:
     df, ops = ch04_sources(gpu)
-    where = "" if (df.chapter.astype(str).str.zfill(2) == "04").all() else \
-        " in chapter 05's benchmark"
     if df.empty or "paged-prealloc" not in set(df.engine) or ops.empty:
         return None
+    where = "" if (df.chapter.str.zfill(2) == "04").all() else " in chapter 05's benchmark"
     write = ops[ops.window == "write_decode_kv"].groupby(["engine", "batch_size"])["count"].sum()
     b = int(ops.batch_size.max())
     return [f"`paged-prealloc`{where} at {pcts(df, 'paged-prealloc')} "

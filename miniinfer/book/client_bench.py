@@ -32,8 +32,8 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
                             dtype: str = "float32") -> list[Path]:
     """``vllm bench serve`` with each backend against ``miniinfer serve`` (``serve_args``) and
     against ``vllm serve`` with the same token budget and ``dtype`` (the one ``serve_args``
-    give ours) -> ``ch10/<device>-vllm-bench.csv``, one row per server and backend. SmolLM2 only: the client reads the tokenizer from its
-    directory, and vLLM serves that directory."""
+    give ours) -> ``ch10/<device>-vllm-bench.csv``, one row per server and backend. SmolLM2
+    only: the client reads the tokenizer from its directory, and vLLM serves that directory."""
     from ..server import ServerProcess
 
     prompts = prompts or RandomPrompts()
@@ -61,7 +61,8 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
             print(rows[-1])
     path = RESULTS / "ch10" / f"{device_slug(dev)}-vllm-bench.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).assign(chapter="10", model=model, dtype=dtype, num_prompts=prompts.num_prompts,
+    pd.DataFrame(rows).assign(chapter="10", model=model, dtype=dtype,
+                              num_prompts=prompts.num_prompts,
                               input_len=prompts.input_len, output_len=prompts.output_len,
                               **run_metadata(dev)).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")
