@@ -192,3 +192,30 @@ def test_the_unprofiled_step_is_the_median_of_the_rounds_own():
     # 90 ms (not the kept round's 80), with the rounds' range.
     assert set(kept.step_ms) == {100.0} and set(kept.unprofiled_step_ms) == {90.0}
     assert set(kept.unprofiled_ms_min) == {80.0} and set(kept.unprofiled_ms_max) == {99.0}
+
+
+def test_round_ratios_pair_each_round_with_its_own():
+    def rounds(*ms):
+        return [pd.DataFrame({"part": [REST], "unprofiled_step_ms": m}) for m in ms]
+
+    # The host ran twice as fast in the second round and half as fast in the third: the
+    # rounds' ratios are 0.8, 0.9 and 0.95, their median 0.9, where the systems' own medians
+    # (80 against 100 ms) would say 0.8.
+    ours, theirs = rounds(100.0, 50.0, 200.0), rounds(80.0, 45.0, 190.0)
+    ratios = step_kernels.round_ratios(theirs, ours)
+    assert ratios == {"unprofiled_vs_compiled": 0.9, "unprofiled_vs_compiled_min": 0.8,
+                      "unprofiled_vs_compiled_max": 0.95}
+    with pytest.raises(ValueError):  # rounds must pair up
+        step_kernels.round_ratios(theirs[:2], ours)
+
+
+def test_kept_rounds_give_vllms_rows_its_steps_against_ours():
+    def rounds(*ms):
+        return [pd.DataFrame({"part": [REST], "ms_per_step": m, "step_ms": m,
+                              "unprofiled_step_ms": m}) for m in ms]
+
+    table = step_kernels.kept_rounds({("compiled", "8 decodes"): rounds(100.0, 50.0, 200.0),
+                                      ("vLLM", "8 decodes"): rounds(80.0, 45.0, 190.0)})
+    ours, theirs = table.iloc[0], table.iloc[1]
+    assert ours.unprofiled_step_ms == 100.0 and pd.isna(ours.unprofiled_vs_compiled)
+    assert theirs.unprofiled_step_ms == 80.0 and theirs.unprofiled_vs_compiled == 0.9

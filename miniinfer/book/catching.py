@@ -320,12 +320,13 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
     the two systems taken in turn; in each, a scenario's steps profiled and then the same steps
     again with no profiler (on our engine's own forward) -> ``-kernels.csv``: each system's
     and scenario's parts in ms per step, from its round of median step time
-    (:func:`.step_kernels.median_round`), and its median step with no profiler."""
+    (:func:`.step_kernels.kept_rounds`), and its median step with no profiler; vLLM's rows
+    also its unprofiled step over ours, round by round."""
     from ..bench.peers.vllm_peer import VLLMEngine
     from ..runner.compiled import CompiledForward, CompileOptions
     from .step_kernels import (
         SCENARIOS,
-        median_round,
+        kept_rounds,
         profile_scenario,
         profile_vllm_steps,
         time_scenario,
@@ -359,15 +360,17 @@ def record_step_kernels(lm: LoadedModel, decode_steps: int = 10, mixed_steps: in
         engine.close()
         if vllm is not None:
             vllm.close()
-    table = pd.concat([median_round(tables) for tables in profiles.values()],
-                      ignore_index=True).assign(model=lm.name, dtype=dtype_name(lm.dtype),
-                                                **run_metadata(lm.device))
+    table = kept_rounds(profiles).assign(model=lm.name, dtype=dtype_name(lm.dtype),
+                                         **run_metadata(lm.device))
     for (system, name), parts in table.groupby(["system", "scenario"], sort=False):
         first = parts.iloc[0]
         print(f"{system}, {name}: {first.step_ms:.1f} ms a step profiled (median of "
               f"{first.rounds} rounds, {first.step_ms_min:.1f}-{first.step_ms_max:.1f}), "
               f"{first.unprofiled_step_ms:.1f} not ({first.unprofiled_ms_min:.1f}-"
-              f"{first.unprofiled_ms_max:.1f})\n"
+              f"{first.unprofiled_ms_max:.1f})"
+              + (f", {first.unprofiled_vs_compiled:.2f}x ours round by round "
+                 f"({first.unprofiled_vs_compiled_min:.2f}-{first.unprofiled_vs_compiled_max:.2f})"
+                 if system != "compiled" else "") + "\n"
               f"{parts[['part', 'ms_per_step', 'share_pct']].round(1).to_string(index=False)}")
     path = _path(lm.device, "-kernels")
     table.to_csv(path, index=False)

@@ -250,6 +250,31 @@ def median_round(tables: list[pd.DataFrame]) -> pd.DataFrame:
     return kept
 
 
+def round_ratios(theirs: list[pd.DataFrame], ours: list[pd.DataFrame]) -> dict[str, float]:
+    """Round by round, one system's unprofiled step over another's timed in the same round
+    (each a table with ``unprofiled_step_ms``, the rounds in the same order) -> the ratios'
+    median (the lower middle of an even count) and range, as ``unprofiled_vs_compiled``,
+    ``_min`` and ``_max``. On a host whose speed drifts between rounds, the steps of one round
+    ran at one speed: their ratios compare the systems where the medians of each would not."""
+    ratios = sorted(float(t.unprofiled_step_ms.iloc[0]) / float(o.unprofiled_step_ms.iloc[0])
+                    for t, o in zip(theirs, ours, strict=True))
+    return {"unprofiled_vs_compiled": ratios[(len(ratios) - 1) // 2],
+            "unprofiled_vs_compiled_min": ratios[0], "unprofiled_vs_compiled_max": ratios[-1]}
+
+
+def kept_rounds(profiles: dict[tuple[str, str], list[pd.DataFrame]]) -> pd.DataFrame:
+    """Each (system, scenario)'s rounds of profiles -> its :func:`median_round`, and for a
+    system other than ``compiled`` its steps against ours of the same rounds
+    (:func:`round_ratios`), as one table."""
+    kept = []
+    for (system, name), tables in profiles.items():
+        table = median_round(tables)
+        if system != "compiled" and ("compiled", name) in profiles:
+            table = table.assign(**round_ratios(tables, profiles["compiled", name]))
+        kept.append(table)
+    return pd.concat(kept, ignore_index=True)
+
+
 def _parts_table(parts: dict[str, float], wall_s: float, steps: int, scenario: StepScenario,
                  system: str) -> pd.DataFrame:
     """Named parts' ms over ``steps`` steps of ``wall_s`` -> one row per part, the rest (the
