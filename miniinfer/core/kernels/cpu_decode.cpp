@@ -107,14 +107,20 @@ void attend_tile(const float* const* query_rows, const int64_t* row_context, int
   for (int64_t d = 0; d < dim; d += 2 * W) {
     Vec sum[ROWS][2];
     for (int r = 0; r < ROWS; ++r) sum[r][0] = sum[r][1] = Vec(0.f);
-    for (int64_t j = 0; j < context; ++j) {
-      const float* vj = v_rows + (static_cast<int64_t>(table[j / block_size]) * block_size
-                                  + j % block_size) * slot_stride + d;
-      const Vec v0 = Vec::loadu(vj), v1 = Vec::loadu(vj + W);
-      for (int r = 0; r < ROWS; ++r) {
-        const Vec w(weights[r][j]);
-        sum[r][0] = at::vec::fmadd(w, v0, sum[r][0]);
-        sum[r][1] = at::vec::fmadd(w, v1, sum[r][1]);
+    for (int64_t b = 0; b < blocks; ++b) {
+      // A block's slots lie one after another: one table lookup a block. (A lookup a position
+      // took 1.24x as long for a step's eight 62-token chunks on an AVX-512 Xeon, 1.7x for a
+      // 512-token prompt.)
+      const float* vb = v_rows + static_cast<int64_t>(table[b]) * block_size * slot_stride + d;
+      const int64_t first = b * block_size, n = std::min(block_size, context - first);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = vb + j * slot_stride;
+        const Vec v0 = Vec::loadu(vj), v1 = Vec::loadu(vj + W);
+        for (int r = 0; r < ROWS; ++r) {
+          const Vec w(weights[r][first + j]);
+          sum[r][0] = at::vec::fmadd(w, v0, sum[r][0]);
+          sum[r][1] = at::vec::fmadd(w, v1, sum[r][1]);
+        }
       }
     }
     for (int r = 0; r < ROWS; ++r) {
@@ -161,6 +167,9 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t group = heads / pool.size(1), width = tables.size(1);
   const int64_t slot_stride = pool.size(1) * dim;  // elements from one slot to the next
+  // q's strides, read once here: Tensor::stride() is a call, and made for every element of
+  // the queries below it took a third of a step's prompt-chunk attention on an AVX-512 Xeon.
+  const int64_t q_token_stride = q.stride(0), q_head_stride = q.stride(1);
   const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
   const T* q_ptr = q.data_ptr<T>();
   const T* pool_ptr = pool.data_ptr<T>();
@@ -253,7 +262,8 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
           const int64_t head = item.kv_head * group + r % group;
           float* qr = tile_query.data() + r * dim;
           for (int64_t d = 0; d < dim; ++d)
-            qr[d] = static_cast<float>(q_ptr[t * q.stride(0) + head * q.stride(1) + d]) * scale;
+            qr[d] =
+                static_cast<float>(q_ptr[t * q_token_stride + head * q_head_stride + d]) * scale;
           query_rows[r] = qr;
           weight_rows[r] = tile_weights.data() + r * (max_context + 2 * block_size);
           out_rows[r] = tile_out.data() + r * dim;
@@ -279,7 +289,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
       for (int64_t head = 0; head < heads; ++head)
         for (int64_t d = 0; d < dim; ++d)
           query[head * dim + d] =
-              static_cast<float>(q_ptr[t * q.stride(0) + head * q.stride(1) + d]) * scale;
+              static_cast<float>(q_ptr[t * q_token_stride + head * q_head_stride + d]) * scale;
       // Pass 1: every head's score of every position.
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t first = b * block_size, n = std::min(block_size, context - first);
