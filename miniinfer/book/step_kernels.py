@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import statistics
 from dataclasses import dataclass
 
 import pandas as pd
@@ -240,13 +241,13 @@ def median_round(tables: list[pd.DataFrame]) -> pd.DataFrame:
     the profiler (an ``unprofiled_step_ms`` column, each round's median step), that column
     becomes the median of the rounds', with its range (``unprofiled_ms_min``, ``_max``)."""
     step_ms = [float(t.step_ms.iloc[0]) for t in tables]
-    middle = sorted(range(len(tables)), key=step_ms.__getitem__)[(len(tables) - 1) // 2]
+    middle = step_ms.index(statistics.median_low(step_ms))
     kept = tables[middle].assign(rounds=len(tables), step_ms_min=min(step_ms),
                                  step_ms_max=max(step_ms))
     if all("unprofiled_step_ms" in t for t in tables):
-        unprofiled = sorted(float(t.unprofiled_step_ms.iloc[0]) for t in tables)
-        kept = kept.assign(unprofiled_step_ms=unprofiled[(len(tables) - 1) // 2],
-                           unprofiled_ms_min=unprofiled[0], unprofiled_ms_max=unprofiled[-1])
+        unprofiled = [float(t.unprofiled_step_ms.iloc[0]) for t in tables]
+        kept = kept.assign(unprofiled_step_ms=statistics.median_low(unprofiled),
+                           unprofiled_ms_min=min(unprofiled), unprofiled_ms_max=max(unprofiled))
     return kept
 
 
@@ -256,10 +257,10 @@ def round_ratios(theirs: list[pd.DataFrame], ours: list[pd.DataFrame]) -> dict[s
     median (the lower middle of an even count) and range, as ``unprofiled_vs_compiled``,
     ``_min`` and ``_max``. On a host whose speed drifts between rounds, the steps of one round
     ran at one speed: their ratios compare the systems where the medians of each would not."""
-    ratios = sorted(float(t.unprofiled_step_ms.iloc[0]) / float(o.unprofiled_step_ms.iloc[0])
-                    for t, o in zip(theirs, ours, strict=True))
-    return {"unprofiled_vs_compiled": ratios[(len(ratios) - 1) // 2],
-            "unprofiled_vs_compiled_min": ratios[0], "unprofiled_vs_compiled_max": ratios[-1]}
+    ratios = [float(t.unprofiled_step_ms.iloc[0]) / float(o.unprofiled_step_ms.iloc[0])
+              for t, o in zip(theirs, ours, strict=True)]
+    return {"unprofiled_vs_compiled": statistics.median_low(ratios),
+            "unprofiled_vs_compiled_min": min(ratios), "unprofiled_vs_compiled_max": max(ratios)}
 
 
 def kept_rounds(profiles: dict[tuple[str, str], list[pd.DataFrame]]) -> pd.DataFrame:
