@@ -165,6 +165,32 @@ def test_repeated_runs_take_turns_and_each_engine_is_built_once(tiny, monkeypatc
     assert built == [("continuous", 0), ("static-naive", 0)]
 
 
+def test_a_budget_sweep_takes_each_budget_in_turn_and_builds_each_engine_once(tiny,
+                                                                                 monkeypatch):
+    """Every system serves at one budget before any serves at the next (on a drifting host a
+    sweep of each system's budgets back to back compares the host's minutes, not the budgets);
+    a system without a budget serves once; one KV pool at a time."""
+    built: list[tuple[str, int, int]] = []  # (system, budget, engines alive when it was built)
+    real_build = Systems._build
+
+    def counting_build(self, system, budget):
+        built.append((system, budget, len(self.engines)))
+        return real_build(self, system, budget)
+
+    monkeypatch.setattr(Systems, "_build", counting_build)
+    config = ServingBenchConfig(
+        systems=("continuous", "static-naive", "prefix-cache"),
+        max_num_batched_tokens=(16, 32), warmup=False,
+        workload=WorkloadConfig(num_requests=3, prompt_len=(2, 8), output_len=(1, 4), seed=2))
+    runs = run_serving_bench(tiny, config, progress=False).runs
+    assert list(zip(runs.system, runs.max_num_batched_tokens.fillna(0).astype(int),
+                    strict=True)) == [("continuous", 16), ("static-naive", 0),
+                                      ("prefix-cache", 16), ("continuous", 32),
+                                      ("prefix-cache", 32)]
+    assert built == [("continuous", 16, 0), ("static-naive", 16, 0), ("prefix-cache", 16, 0),
+                     ("continuous", 32, 0), ("prefix-cache", 32, 0)]
+
+
 def test_median_of_repeats_groups_a_run_by_what_tells_runs_apart():
     runs = pd.DataFrame({
         "system": ["b", "a", "b", "a", "b", "a", "a"],

@@ -14,8 +14,8 @@ Each table's rows come from one run, so that its ratios compare like with like:
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
   ``target`` experiment with ``continuous`` on the eager forward and on the compiled one
   (``compiled``) and vLLM's offline ``LLM.generate``, in :data:`SERVED_REPEATS` rounds of the
-  three in turn; the ``budget`` experiment, ``compiled`` and vLLM at each of chapter 08's
-  token budgets, once (the throughput-latency curve);
+  three in turn; the ``budget`` experiment, ``compiled`` and vLLM in turn at each of chapter
+  08's token budgets, once (the throughput-latency curve);
 - the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
   10 does: ``serve --engine compiled`` and ``vllm serve``, one row per server and round;
 - the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
@@ -211,8 +211,8 @@ def record_bf16(bf16: LoadedModel, peer: bool) -> Path:
 
 def served_experiments(dev: torch.device, peer: bool) -> dict[str, ServingBenchConfig]:
     """Chapter 08's ``target`` workload with ``continuous``, ``compiled`` and vLLM, in
-    :data:`SERVED_REPEATS` rounds, and its ``budget`` sweep with ``compiled`` and vLLM, once
-    (each budget one point of the wde post's throughput-latency curve)."""
+    :data:`SERVED_REPEATS` rounds, and its ``budget`` sweep with ``compiled`` and vLLM in turn
+    at each budget, once (each budget one point of the wde post's throughput-latency curve)."""
     _, experiments = serving_experiments(dev)
     vllm = (VLLM,) if peer else ()
     return {"target": replace(experiments["target"], systems=("continuous", "compiled", *vllm),
