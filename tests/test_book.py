@@ -36,6 +36,25 @@ def test_commit_ids_stay_text(tmp_path):
     assert (row.chapter, row.git_sha) == ("07", "2638e60")
 
 
+def test_the_recorded_runs_name_every_commit_a_file_was_recorded_at(tmp_path, monkeypatch):
+    # Chapter 11's Intel Xeon served tables: the target rows at one commit, the budget sweep
+    # recorded again on its own at a later one.
+    from miniinfer.book import results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    (tmp_path / "ch11").mkdir()
+    pd.DataFrame({"experiment": ["target", "target", "budget"], "device_name": "cpu",
+                  "git_sha": ["1d1c717", "1d1c717", "bbd5eaa"],
+                  "date": ["2026-11-28T18:14:16Z", "2026-11-28T18:14:16Z",
+                           "2026-11-28T20:52:13Z"]}).to_csv(tmp_path / "ch11" / "x-runs.csv",
+                                                           index=False)
+    (row,) = results.recorded_runs().itertuples()
+    assert (row.chapter, row.file, row.device_name) == ("11", "ch11/x-runs.csv", "cpu")
+    assert row.git_sha == "1d1c717, bbd5eaa"
+    assert row.date == "2026-11-28T18:14:16Z, 2026-11-28T20:52:13Z"
+    assert row.isa == ""  # a column the file lacks
+
+
 def test_speed_of_light_shares_rescale_to_one_bandwidth(monkeypatch):
     # Two runs of one device measured 10 and 30 GB/s: the median (20) becomes the reference, so
     # a 30% share measured against 10 GB/s is 15% against 20.

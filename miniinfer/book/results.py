@@ -273,12 +273,16 @@ def stage_results(chapters: tuple[str, ...] = STAGE_CHAPTERS) -> pd.DataFrame:
 
 def recorded_runs() -> pd.DataFrame:
     """One row per recorded results file: chapter, file, and the device, model, software and
-    commit of the run that wrote it."""
+    commit of the run that wrote it (every commit and date in the order met, where one of its
+    experiments was recorded again on its own)."""
     columns = ["device_name", "isa", "model", "dtype", "torch", "transformers", "git_sha", "date"]
     rows = []
     for path in sorted([*RESULTS.glob("ch*/**/*.csv"), *RESULTS.glob("ch*/**/*.csv.gz")]):
-        first = read_results(path).iloc[0]
+        table = read_results(path)
+        row = {c: table[c].iloc[0] if c in table else "" for c in columns}
+        for c in ("git_sha", "date"):
+            if c in table:
+                row[c] = ", ".join(table[c].dropna().astype(str).unique())
         rows.append({"chapter": path.relative_to(RESULTS).parts[0][2:],
-                     "file": str(path.relative_to(RESULTS)),
-                     **{c: first.get(c, "") for c in columns}})
+                     "file": str(path.relative_to(RESULTS)), **row})
     return pd.DataFrame(rows)
