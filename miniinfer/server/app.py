@@ -54,6 +54,7 @@ from .generation import (
     chat_turns,
     completion_request,
 )
+from .linger import LingeringH11Protocol
 from .metrics import ServerMetrics
 from .protocol import (
     APIError,
@@ -491,8 +492,11 @@ def build_server(config: ServerConfig, lm: LoadedModel | None = None,
                      config.max_request_bytes)
     sock = socket.create_server((config.host, config.port))
     host, port = sock.getsockname()[:2]
+    # http: uvicorn's h11 protocol, closing with a linger after an answer sent before the
+    # body ended (a 413 the client reads while still sending; .linger).
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               access_log=False, timeout_graceful_shutdown=10)
+                               access_log=False, timeout_graceful_shutdown=10,
+                               http=LingeringH11Protocol)
     return Server(uv_config, app.state.engine_loop), sock
 
 
