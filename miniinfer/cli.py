@@ -448,11 +448,12 @@ def cmd_repro(args: argparse.Namespace) -> None:
     if args.chapter == "all":
         chapters = args.chapters.split(",") if args.chapters else None
         reproduce_all(chapters, device=args.device, execute_notebooks=not args.no_notebook,
-                      dry_run=args.dry_run)
+                      dry_run=args.dry_run, for_book=args.for_book)
     elif args.chapters or args.dry_run:
         raise MiniInferError("--chapters and --dry-run go with 'repro all'")
     else:
-        reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook)
+        reproduce(args.chapter, device=args.device, execute_notebook_too=not args.no_notebook,
+                  for_book=args.for_book)
 
 
 def cmd_device(args: argparse.Namespace) -> None:
@@ -597,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--chapters", help="with 'all': only these, e.g. 05,06")
     repro.add_argument("--dry-run", action="store_true",
                        help="with 'all': print each chapter's plan and estimated time, run nothing")
+    repro.add_argument("--for-book", action="store_true",
+                       help="record the book's own tables (data/results/), from a clean commit "
+                            "only; without it a recording is yours (data/yours/)")
     repro.set_defaults(func=cmd_repro)
     return parser
 

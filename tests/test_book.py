@@ -99,6 +99,7 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
     from miniinfer.core import devices
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(devices, "YOURS_DIR", tmp_path)  # this reader's recordings, read live
     (tmp_path / "ch06").mkdir()
     isa = devices.device_isa(tiny.device)
     slug = devices.device_slug(tiny.device)
@@ -119,7 +120,7 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
     path = tmp_path / "ch06" / f"{slug}.csv"
     pd.DataFrame([{**row, "isa": isa, "tok_s": 2.0}]).to_csv(path, index=False)
     df, source = results.this_device_or_live(tiny, full)
-    assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by make chapter-06 on this")
+    assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by your make chapter-06 on")
     assert f"AMD EPYC ({isa})" in source
     # Read back, the two hosts' rows are two machines to every table that groups by name.
     both = results.recorded_results("06")

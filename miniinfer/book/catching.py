@@ -44,14 +44,13 @@ from ..bench.offline import make_bench_engine, run_bench, summary_table
 from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.serving import ServingBenchConfig
 from ..bench.serving.http import run_http_bench
-from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
+from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device, smollm2_cache
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from ..runner.onednn_linear import onednn_available
 from .chapters import CHAPTERS
 from .client_bench import free_port
-from .results import RESULTS
 from .serving_records import record_serving
 from .workloads import default_workload, serving_experiments
 
@@ -389,7 +388,7 @@ def _ops_table(ops: list[dict], system: str, run_s: float) -> pd.DataFrame:
 
 
 def _path(dev: torch.device, suffix: str, subdir: str = "") -> Path:
-    out_dir = RESULTS / "ch11" / subdir
+    out_dir = recording_root() / "ch11" / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir / f"{device_slug(dev)}{suffix}.csv"
 

@@ -14,9 +14,8 @@ import torch
 from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.peers.vllm_bench_serve import ENDPOINTS, RandomPrompts, run_vllm_bench_serve
 from ..bench.peers.vllm_server import start_vllm_server
-from ..core.devices import REPO_ROOT, device_slug, run_metadata
+from ..core.devices import REPO_ROOT, device_slug, recording_root, run_metadata
 from ..core.models import smollm2_cache
-from .results import RESULTS
 
 
 def free_port() -> int:
@@ -59,7 +58,7 @@ def record_vllm_bench_serve(dev: torch.device, model: str, serve_args: list[str]
                          **run_vllm_bench_serve(peer.base_url.removesuffix("/v1"), model,
                                                 tokenizer, backend, prompts)})
             print(rows[-1])
-    path = RESULTS / "ch10" / f"{device_slug(dev)}-vllm-bench.csv"
+    path = recording_root() / "ch10" / f"{device_slug(dev)}-vllm-bench.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).assign(chapter="10", model=model, dtype=dtype,
                               num_prompts=prompts.num_prompts,

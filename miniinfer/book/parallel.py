@@ -9,10 +9,9 @@ import pandas as pd
 import torch
 
 from ..bench.offline import run_bench, summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed
+from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root
 from ..core.models import load_model, resolve_device
 from .chapters import CHAPTERS
-from .results import RESULTS
 from .workloads import default_workload
 
 
@@ -32,7 +31,7 @@ def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
         print("chapter 12 records on a CPU only for now (the GPU case is the chapter's paper "
               "model); nothing to measure here")
         return []
-    out_dir = RESULTS / "ch12"
+    out_dir = recording_root() / "ch12"
     out_dir.mkdir(parents=True, exist_ok=True)
     reduce_path = out_dir / f"{device_slug(dev)}-allreduce.csv"
     pd.DataFrame(measure_all_reduce((2, 3))).assign(**run_metadata(dev)).to_csv(reduce_path,

@@ -35,6 +35,7 @@ class ChapterPlan:
     tokens: str  # prompt and output lengths, in words
     repeats: int
     estimate_s: float
+    logged: bool = False  # the estimate is the last logged run's duration, not the cost model's
 
 
 def plan_table(chapters: list[str], plans: list[ChapterPlan], device: torch.device) -> str:
@@ -42,12 +43,14 @@ def plan_table(chapters: list[str], plans: list[ChapterPlan], device: torch.devi
     lines = [f"repro on {device} ({device_costs(device).basis}):"]
     for chapter, p in zip(chapters, plans, strict=True):
         batches = ",".join(map(str, p.batch_sizes))
-        lines.append(f"  {chapter}  ~{p.estimate_s / 60:4.1f} min  {p.model} {p.dtype}  "
+        basis = "logged" if p.logged else "model "
+        lines.append(f"  {chapter}  ~{p.estimate_s / 60:4.1f} min ({basis})  {p.model} {p.dtype}  "
                      f"batch {batches}  {p.tokens}  {p.repeats} repeat(s)")
         lines.append(f"      engines: {', '.join(p.engines)}")
     total = sum(p.estimate_s for p in plans) / 60
     lines.append(f"estimated total: {total:.1f} min for {len(plans)} chapter(s) "
-                 f"(recordings only; notebooks not counted)")
+                 "(logged: the last --for-book run's duration, notebook included; "
+                 "model: the cost model, recordings only)")
     return "\n".join(lines)
 
 
@@ -340,5 +343,10 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
 }
 
 
-def plan_chapter(chapter: str, device: torch.device) -> ChapterPlan:
-    return PLANS[CHAPTERS[chapter].recording](chapter, device)
+def plan_chapter(chapter: str, device: torch.device,
+                 logged: dict[tuple[str, str], float] | None = None) -> ChapterPlan:
+    """The chapter's plan; its estimate is the duration the last logged run took on this kind
+    of device where there is one (notebook included), else the cost model's."""
+    plan = PLANS[CHAPTERS[chapter].recording](chapter, device)
+    seconds = (logged or {}).get((chapter, device.type))
+    return plan if seconds is None else replace(plan, estimate_s=seconds, logged=True)

@@ -15,14 +15,13 @@ import torch
 from ..bench.offline import run_bench, summary_table
 from ..bench.serving import WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed, run_metadata
+from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .catching import run_chapter11
 from .chapters import CHAPTERS
 from .client_bench import record_vllm_bench_serve
 from .parallel import run_chapter12
-from .results import RESULTS
 from .serving_records import record_serving
 from .workloads import (
     ContextSweep,
@@ -36,7 +35,7 @@ from .workloads import (
 
 
 def results_path(chapter: str, device: torch.device) -> Path:
-    return RESULTS / f"ch{chapter}" / f"{device_slug(device)}.csv"
+    return recording_root() / f"ch{chapter}" / f"{device_slug(device)}.csv"
 
 
 def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
@@ -129,7 +128,7 @@ def run_chapter_context(chapter: str, device: str | torch.device | None = "auto"
                            device_speed(dev, store=True), chapter)
     print(df.pivot_table(index="context_len", columns="engine", values="step_ms",
                          sort=False).round(1).to_string())
-    out = RESULTS / f"ch{chapter}" / f"{device_slug(dev)}-context.csv"
+    out = recording_root() / f"ch{chapter}" / f"{device_slug(dev)}-context.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
     df.to_csv(out, index=False)
     print(f"wrote {out.relative_to(REPO_ROOT)}")
@@ -151,7 +150,7 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     model, base = default_workload(dev)
     lm = load_model(model, device=dev)
     slug = device_slug(dev)
-    out_dir = RESULTS / "ch05"
+    out_dir = recording_root() / "ch05"
     steps = chapter05_profile_steps(dev)
     prealloc = make_engine("paged-prealloc", lm)
     config = replace(base, engines=("hf", "paged-prealloc", "paged-prealloc/ranges-off"),
@@ -197,7 +196,7 @@ def run_chapter06(device: str | torch.device | None = "auto") -> list[Path]:
         df = decode_kernel_bandwidth(dev).assign(chapter="06")
         print(df[["context_len", "backend", "kv_mb", "kernel_us", "gbs", "pct_of_copy"]]
               .round(1).to_string(index=False))
-        path = RESULTS / "ch06" / "kernel" / f"{device_slug(dev)}.csv"
+        path = recording_root() / "ch06" / "kernel" / f"{device_slug(dev)}.csv"
         path.parent.mkdir(parents=True, exist_ok=True)
         df.to_csv(path, index=False)
         print(f"wrote {path.relative_to(REPO_ROOT)}")
@@ -225,7 +224,7 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
             bars.append(timeline(trace).assign(engine=name, batch_size=8))
     # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
     # Gzipped: a GPU's bars are one row per kernel (7.8 MB of CSV on an H200, 0.25 MB zipped).
-    path = RESULTS / "ch07" / "timeline" / f"{device_slug(dev)}.csv.gz"
+    path = recording_root() / "ch07" / "timeline" / f"{device_slug(dev)}.csv.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
     meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "isa",
                                             "torch", "git_sha", "date"]].to_dict()
@@ -306,7 +305,7 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     overhead = (by_round.ttft_p50_ms.http - by_round.ttft_p50_ms.continuous).median()
     print(f"http / in-process output tokens/s: {ratio:.3f} (median of {rounds} rounds); "
           f"TTFT p50 overhead: {overhead:.1f} ms")
-    out_dir = RESULTS / "ch10"
+    out_dir = recording_root() / "ch10"
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for kind, frame in (("runs", table), ("requests", pd.concat(requests, ignore_index=True)),

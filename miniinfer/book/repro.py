@@ -1,18 +1,29 @@
-"""What ``make chapter-NN`` runs: the chapter's recording on this machine (``data/results/chNN/``),
-then its notebook re-executed in place; and what ``python -m miniinfer repro all`` runs: every
-chapter's recording in order. What a chapter records is its entry in the chapter registry
+"""What ``make chapter-NN`` runs: the chapter's recording on this machine, then its notebook
+re-executed in place; and what ``python -m miniinfer repro all`` runs: every chapter's
+recording in order. What a chapter records is its entry in the chapter registry
 (:mod:`miniinfer.book.chapters`); the recordings are :mod:`miniinfer.book.recordings`, their
-plans and time estimates :mod:`miniinfer.book.plans`."""
+plans and time estimates :mod:`miniinfer.book.plans`.
+
+A reader's recording goes to ``data/yours/`` and is shown as theirs: it never changes the book.
+The book's own tables are recorded with ``--for-book``, from a clean commit only, into
+``data/results/``; each chapter's duration is logged (``data/results/logs/repro-<commit>.csv``),
+so a stopped ``repro all --for-book`` resumes where it stopped at the same commit, and
+``--dry-run`` estimates from the durations the last run logged."""
 
 from __future__ import annotations
 
+import csv
+import datetime as dt
 import gc
 import os
+import subprocess
+import time
+from pathlib import Path
 
 import torch
 
-from ..core.devices import REPO_ROOT
-from ..core.errors import UnknownNameError
+from ..core.devices import FOR_BOOK_ENV, REPO_ROOT, RESULTS_DIR, git_sha
+from ..core.errors import MiniInferError, UnknownNameError
 from ..core.models import resolve_device
 from .chapters import CHAPTERS
 from .overview import CHAPTERS_DIR
@@ -38,8 +49,64 @@ def execute_notebook(chapter: str) -> None:
     print(f"re-executed {path.relative_to(REPO_ROOT)}")
 
 
-def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: bool = True) -> None:
+REPRO_LOGS = RESULTS_DIR / "logs"
+LOG_FIELDS = ("chapter", "device", "seconds", "finished")
+# What a recording for the book may change in the tree: its own outputs.
+RECORDING_OUTPUTS = ("data/results/", "chapters/")
+
+
+def uncommitted_changes() -> list[str]:
+    """Paths with uncommitted changes outside what a recording writes (untracked files count)."""
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=REPO_ROOT, capture_output=True,
+                         text=True).stdout
+    paths = [line[3:] for line in out.splitlines() if line.strip()]
+    return [p for p in paths if not p.startswith(RECORDING_OUTPUTS)]
+
+
+def start_book_recording() -> Path:
+    """Refuse a dirty tree, switch recordings to the book's folder, return the run's log."""
+    changed = uncommitted_changes()
+    if changed:
+        raise MiniInferError("--for-book records the book's tables from a commit, and this tree "
+                             f"has uncommitted changes: {', '.join(changed[:5])}")
+    os.environ[FOR_BOOK_ENV] = "1"
+    return REPRO_LOGS / f"repro-{git_sha()}.csv"
+
+
+def logged_seconds(path: Path) -> dict[tuple[str, str], float]:
+    """(chapter, device type) -> seconds, from a repro log (empty when there is none)."""
+    if not path.exists():
+        return {}
+    with open(path, newline="") as f:
+        return {(r["chapter"], r["device"]): float(r["seconds"]) for r in csv.DictReader(f)}
+
+
+def last_logged_seconds() -> dict[tuple[str, str], float]:
+    """Each chapter's duration in the most recent repro log that has it."""
+    logs = sorted(REPRO_LOGS.glob("repro-*.csv"), key=lambda p: p.stat().st_mtime)
+    out: dict[tuple[str, str], float] = {}
+    for path in logs:  # later logs overwrite earlier ones
+        out |= logged_seconds(path)
+    return out
+
+
+def log_chapter(path: Path, chapter: str, device: torch.device, seconds: float) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        if new:
+            writer.writerow(LOG_FIELDS)
+        writer.writerow([chapter, device.type, round(seconds, 1),
+                         dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")])
+
+
+def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: bool = True,
+              for_book: bool = False) -> None:
     chapter = check_chapter(chapter)
+    if for_book:
+        log = start_book_recording()
+        started = time.perf_counter()
     entry = CHAPTERS[chapter]
     dev = resolve_device(device)
     RECORDERS[entry.recording](chapter, dev)
@@ -52,6 +119,8 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
         torch.cuda.empty_cache()
     if execute_notebook_too:
         execute_notebook(chapter)
+    if for_book:
+        log_chapter(log, chapter, dev, time.perf_counter() - started)
 
 
 def check_chapter(chapter: str) -> str:
@@ -63,20 +132,26 @@ def check_chapter(chapter: str) -> str:
 
 
 def reproduce_all(chapters: list[str] | None = None, device: str | None = "auto",
-                  execute_notebooks: bool = True, dry_run: bool = False) -> list[ChapterPlan]:
-    """Every chapter's recording (or those in ``chapters``), in order, into data/results/.
-    Notebooks are re-executed after their chapter where jupyter is installed (a headless
-    machine only records; the notebooks can run later anywhere from the CSVs). ``dry_run``:
-    run nothing, print each chapter's plan and the estimated total."""
+                  execute_notebooks: bool = True, dry_run: bool = False,
+                  for_book: bool = False) -> list[ChapterPlan]:
+    """Every chapter's recording (or those in ``chapters``), in order. Notebooks are
+    re-executed after their chapter where jupyter is installed (a headless machine only
+    records; the notebooks can run later anywhere from the CSVs). ``dry_run``: run nothing,
+    print each chapter's plan and the estimated total. ``for_book``: into the book's results,
+    skipping the chapters this commit's log already has."""
     selected = [check_chapter(c) for c in chapters] if chapters else list(CHAPTERS)
     # Planning never touches the device: `--dry-run --device cuda` works on a CPU machine.
     dev = resolve_device(device) if not dry_run or device in (None, "auto") \
         else torch.device(device)
-    plans = [plan_chapter(c, dev) for c in selected]
+    plans = [plan_chapter(c, dev, last_logged_seconds()) for c in selected]
     print(plan_table(selected, plans, dev))
     if dry_run:
         return plans
+    done = logged_seconds(start_book_recording()) if for_book else {}
     for chapter in selected:
+        if (chapter, dev.type) in done:
+            print(f"== chapter {chapter}: recorded at this commit already ==", flush=True)
+            continue
         print(f"== chapter {chapter} ==", flush=True)
-        reproduce(chapter, dev, execute_notebook_too=execute_notebooks)
+        reproduce(chapter, dev, execute_notebook_too=execute_notebooks, for_book=for_book)
     return plans

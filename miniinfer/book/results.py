@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.devices import REPO_ROOT, cpu_label
+from ..core.devices import RESULTS_DIR, YOURS_DIR, cpu_label
 from .chapters import chapter_of_stage
 from .presets import Preset
 
-RESULTS = REPO_ROOT / "data" / "results"
+# The book's recordings; a reader's own ``make chapter-NN`` writes under YOURS instead.
+RESULTS = RESULTS_DIR
+YOURS = YOURS_DIR
 
 
 # Read as text: a commit like "2638e60" would otherwise parse as the number 2.638e63.
@@ -212,18 +214,18 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
 
 def this_device_or_live(lm, p: Preset, engines: dict | None = None,
                         suffix: str = "") -> tuple[pd.DataFrame, str]:
-    """The chapter's benchmark on this machine. With the full preset, the CSV ``make
-    chapter-NN`` has just written for this device (``<device><suffix>.csv``) is shown as is
-    (re-measuring it would only double the wait); otherwise, and when this device has no CSV
-    yet, it is measured now."""
+    """The chapter's benchmark on this machine ("your machine"). With the full preset, the CSV
+    the reader's ``make chapter-NN`` has just written for this device
+    (``data/yours/chNN/<device><suffix>.csv``) is shown as is (re-measuring it would only double
+    the wait); otherwise, and when this device has no CSV yet, it is measured now."""
     from ..bench.offline import run_bench
-    from ..core.devices import device_slug
+    from ..core.devices import device_slug, recording_root
 
-    path = RESULTS / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
+    path = recording_root() / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
         if df.model.iloc[0] == lm.name:
-            return df, (f"recorded by make chapter-{p.bench.chapter} on this device "
+            return df, (f"recorded by your make chapter-{p.bench.chapter} on this device "
                         f"({df.device_name.iloc[0]}; {path.name})")
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 

@@ -9,9 +9,8 @@ import torch
 
 from ..bench.serving import ServingBenchConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug
+from ..core.devices import REPO_ROOT, device_slug, recording_root
 from ..core.models import load_model
-from .results import RESULTS
 
 
 def record_serving(dev: torch.device, chapter: str, model: str,
@@ -22,7 +21,7 @@ def record_serving(dev: torch.device, chapter: str, model: str,
     the runs table and the paths. ``dtype``: the model's (None: its default)."""
     lm = load_model(model, device=dev, dtype=dtype)
     tables: dict[str, list[pd.DataFrame]] = {"runs": [], "requests": [], "steps": []}
-    out_dir = RESULTS / f"ch{chapter}" / subdir
+    out_dir = recording_root() / f"ch{chapter}" / subdir
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {kind: out_dir / f"{device_slug(dev)}-{kind}.csv" for kind in tables}
     for done, (name, config) in enumerate(experiments.items(), 1):

@@ -142,7 +142,19 @@ def measure_peak_flops(device: torch.device, n: int = 2048, repeats: int = 5) ->
     return 2 * n**3 / _best_time(device, lambda: a @ b, repeats)
 
 
-DEVICES_CSV = REPO_ROOT / "data" / "results" / "devices.csv"
+# The book's recordings (committed) and the reader's own (``make chapter-NN``; gitignored). A
+# reader's run never writes into the book's data, so it cannot change the book's text or tables.
+RESULTS_DIR = REPO_ROOT / "data" / "results"
+YOURS_DIR = REPO_ROOT / "data" / "yours"
+# Set by ``repro --for-book`` (a clean tree only): the recording becomes the book's.
+FOR_BOOK_ENV = "MINIINFER_RECORD_FOR_BOOK"
+DEVICES_CSV = RESULTS_DIR / "devices.csv"
+
+
+def recording_root() -> Path:
+    """Where a recording made now goes: the book's results for ``repro --for-book``, else the
+    reader's own folder."""
+    return RESULTS_DIR if os.environ.get(FOR_BOOK_ENV) == "1" else YOURS_DIR
 DEVICE_FIELDS = ("slug", "isa", "name", "bandwidth_gbs", "peak_gflops", "threads",
                  "how_measured", "date")
 
@@ -229,12 +241,15 @@ def device_speed(device: torch.device, path: Path = DEVICES_CSV, store: bool = F
     keeps every chapter's floor on the same line, where a measurement per run moves with the
     machine's load. A row for the same name with another instruction set is another machine."""
     key = device_slug(device), device_isa(device)
-    recorded = read_devices(path).get(key) or _measured_this_process.get(key)
+    # The book's table, then the reader's own (where ``make chapter-NN`` stores a new device).
+    tables = (path, YOURS_DIR / "devices.csv") if path == DEVICES_CSV else (path,)
+    recorded = next((row for table in tables if (row := read_devices(table).get(key))), None) \
+        or _measured_this_process.get(key)
     if recorded is not None and not remeasure:
         return recorded
     speed = _measured_this_process[key] = measure_device(device)
     if store:
-        write_device(speed, path)
+        write_device(speed, recording_root() / "devices.csv" if path == DEVICES_CSV else path)
     return speed
 
 

@@ -1,0 +1,90 @@
+"""A reader's own `make chapter-NN` never changes the book: its recordings go to data/yours/, the
+book's text and tables read data/results/ only, and the book's own tables are recorded from a
+clean commit."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from miniinfer.book import results_markdown
+from miniinfer.book.callouts import callout
+from miniinfer.book.chapters import CHAPTERS
+from miniinfer.book.recordings import results_path
+from miniinfer.book.results import RESULTS, read_results, recorded_results, recorded_runs
+from miniinfer.core import devices
+from miniinfer.core.errors import MiniInferError
+
+
+def book_texts() -> dict[str, str]:
+    """Everything the book prints from its recordings without running a model."""
+    texts = {f"callout {n}": callout(n) for n in CHAPTERS}
+    texts["results"] = results_markdown()
+    texts["runs"] = recorded_runs().to_csv()
+    texts["ch01 tables"] = recorded_results("01").to_csv()
+    return texts
+
+
+@pytest.fixture
+def readers_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(devices, "YOURS_DIR", tmp_path / "yours")
+    monkeypatch.delenv(devices.FOR_BOOK_ENV, raising=False)
+    return tmp_path / "yours"
+
+
+def test_a_readers_recording_goes_to_their_folder_and_changes_no_text(readers_folder):
+    before = book_texts()
+    # A reader's chapter-01 run on a machine the book has not seen, written where `make
+    # chapter-01` writes it, with the empty measurements that once printed "nan%".
+    path = results_path("01", torch.device("cpu"))
+    assert path.is_relative_to(readers_folder) and not path.is_relative_to(RESULTS)
+    reference = read_results(next(iter(sorted((RESULTS / "ch01").glob("cpu-*.csv")))))
+    fake = reference.assign(device_name="A Reader's Laptop CPU", isa="AVX2", pct_of_hf=float("nan"),
+                            pct_of_hf_min=float("nan"), pct_of_hf_max=float("nan"))
+    path.parent.mkdir(parents=True)
+    fake.to_csv(path, index=False)
+    devices.write_device(devices.DeviceSpeed("cpu-a-readers-laptop", "A Reader's Laptop CPU", 9.9,
+                                             99.0, 2, "test", "2026-11-29", "AVX2"),
+                         devices.recording_root() / "devices.csv")
+    after = book_texts()
+    assert after == before
+    assert not any("nan" in text for name, text in after.items() if name.startswith("callout"))
+    # The book's device table is untouched; the reader's device is in their own.
+    assert devices.DEVICES_CSV.read_text().count("cpu-a-readers-laptop") == 0
+    assert "cpu-a-readers-laptop" in (readers_folder / "devices.csv").read_text()
+
+
+def test_a_recording_for_the_book_goes_to_the_books_folder(readers_folder, monkeypatch):
+    monkeypatch.setenv(devices.FOR_BOOK_ENV, "1")
+    assert results_path("01", torch.device("cpu")).is_relative_to(RESULTS)
+
+
+def test_the_book_is_recorded_from_a_clean_commit_only(readers_folder, monkeypatch):
+    from miniinfer.book import repro
+
+    monkeypatch.setattr(repro, "uncommitted_changes", lambda: ["miniinfer/engines/naive.py"])
+    with pytest.raises(MiniInferError, match="uncommitted changes: miniinfer/engines/naive.py"):
+        repro.reproduce("01", for_book=True)
+    assert devices.recording_root() == readers_folder  # nothing switched to the book's folder
+
+
+def test_a_recordings_own_outputs_do_not_make_the_tree_dirty(monkeypatch):
+    from miniinfer.book import repro
+
+    status = (" M data/results/ch01/cpu-intel-xeon-avx512.csv\n M chapters/01_naive_hf_decode.ipynb\n"
+              " M miniinfer/book/plans.py\n?? notes.txt\n")
+    monkeypatch.setattr(repro.subprocess, "run",
+                        lambda *a, **k: type("R", (), {"stdout": status})())
+    assert repro.uncommitted_changes() == ["miniinfer/book/plans.py", "notes.txt"]
+
+
+def test_dry_run_estimates_from_the_last_logged_run(tmp_path, monkeypatch):
+    from miniinfer.book import repro
+
+    monkeypatch.setattr(repro, "REPRO_LOGS", tmp_path)
+    repro.log_chapter(tmp_path / "repro-abc1234.csv", "01", torch.device("cpu"), 123.4)
+    plans = repro.reproduce_all(["01", "02"], device="cpu", dry_run=True)
+    assert plans[0].logged and plans[0].estimate_s == 123.4
+    assert not plans[1].logged  # no logged run: the cost model's estimate
+    assert pd.read_csv(tmp_path / "repro-abc1234.csv").chapter.tolist() == [1]
