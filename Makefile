@@ -81,3 +81,34 @@ $(PEERS_VENV)/.installed:
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The book as a website (build/site), built from the notebooks as stored (nothing re-executed):
+# `make book`, then `make book-check` opens every page in a real browser (Debian's chromium,
+# headless, driven by Playwright). Their Python deps are pinned apart, in requirements-book.txt.
+.PHONY: book-setup book book-check book-browser
+
+ifeq ($(PYTHON),$(VENV)/bin/python)
+BOOK_SETUP_DEP := $(VENV)/.book-installed
+else
+BOOK_SETUP_DEP :=
+endif
+CHROMIUM ?= /usr/bin/chromium
+
+book-setup: setup $(BOOK_SETUP_DEP)
+
+# `-c requirements.txt`: the book's site tools never move a pin of the book itself.
+$(VENV)/.book-installed: requirements-book.txt $(VENV)/.installed
+	$(VENV)/bin/python -m pip install --quiet -r requirements-book.txt -c requirements.txt
+	touch $@
+
+book: book-setup
+	$(PYTHON) scripts/build_site.py
+
+# Debian's chromium, installed when absent (CI runs as root); Playwright's own browser download
+# is never used.
+book-browser:
+	test -x $(CHROMIUM) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq chromium >/dev/null)
+
+book-check: book book-browser
+	$(PYTHON) scripts/check_site.py --chromium $(CHROMIUM)
