@@ -469,6 +469,11 @@ def cmd_device(args: argparse.Namespace) -> None:
 def cmd_results(args: argparse.Namespace) -> None:
     from .book import results_markdown
 
+    if args.figure:
+        from .book.glance import save_at_a_glance
+
+        print(f"wrote {save_at_a_glance(args.figure)}")
+        return
     print(results_markdown() or "no results recorded yet (run make chapter-01)")
 
 
@@ -580,8 +585,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("chapters", help="the chapter registry as the README's markdown table"
                    ).set_defaults(func=cmd_chapters)
 
-    sub.add_parser("results", help="recorded results as markdown tables").set_defaults(
-        func=cmd_results)
+    results = sub.add_parser("results", help="recorded results as markdown tables")
+    results.add_argument("--figure", metavar="PNG",
+                         help="instead, draw the README's results-at-a-glance figure")
+    results.set_defaults(func=cmd_results)
 
     device = sub.add_parser("device", help="this device's speed of light (data/results/devices.csv)")
     device.add_argument("--device", default="auto")

@@ -27,6 +27,20 @@ RECORDINGS = {
 }
 
 
+# The book's reference recordings, one device per kind: every table and figure a chapter shows
+# is read from these devices' files (``data/results/chNN/<slug>*.csv``); other machines' files
+# stay in the data and appear once, in the overview's "other machines" table. Chapter 11 is the
+# exception until the book is recorded again on one machine: its Zen 4 rows came from graphs
+# that computed wrong keys and values (data/results/ch11/NOTES.md), so it shows the Zen 3.
+REFERENCE_DEVICES = {"cpu": "cpu-amd-epyc-avx512", "cuda": "cuda-nvidia-h200"}
+REFERENCE_OVERRIDES = {("11", "cpu"): "cpu-amd-epyc-avx2"}
+
+
+def reference_device(chapter: str, kind: str) -> str:
+    """The slug of the device whose recording chapter ``chapter`` shows for ``kind``."""
+    return REFERENCE_OVERRIDES.get((chapter, kind), REFERENCE_DEVICES[kind])
+
+
 @dataclass(frozen=True, slots=True)
 class Chapter:
     number: str  # "01"

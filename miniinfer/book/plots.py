@@ -380,3 +380,4 @@ def plot_phase_bars(phases: pd.DataFrame, title: str):
                    labels=names, loc="upper center", ncol=4, bbox_to_anchor=(0.5, 0.0))
         fig.tight_layout()
     return fig
+
