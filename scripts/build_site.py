@@ -94,17 +94,31 @@ def _mark_solutions(cell: dict) -> None:
                           f"{src}\n\n</details>\n")
 
 
-def _banner(number: str, slug: str) -> dict:
-    # The download link points at the notebook in chapters/ (Sphinx copies it into the site).
-    text = (f"```{{admonition}} This chapter's notebook\n"
+def _banner(number: str, slug: str) -> str:
+    # The download link is the notebook in chapters/ itself (Sphinx copies it into the site).
+    return (f"```{{admonition}} This chapter's notebook\n"
             f":class: tip notebook-banner\n"
             f"This page is {{download}}`chapters/{slug}.ipynb <../../../chapters/{slug}.ipynb>` "
             f"as last executed and stored (nothing is re-run to build the site). Open it in "
             f"JupyterLab with `make lab`, or run it on your machine, recording your own results, "
             f"with `make chapter-{number}`.\n"
             f"```\n")
-    return {"cell_type": "markdown", "id": "notebook-banner",
-            "metadata": {"tags": ["notebook-banner"]}, "source": text}
+
+
+def _with_banner(cells: list[dict], number: str, slug: str) -> None:
+    """The banner goes right under the chapter's heading (the first line of the first markdown
+    cell that is one), or first of all when there is none."""
+    for cell in cells:
+        if cell["cell_type"] != "markdown":
+            continue
+        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        head, _, rest = src.partition("\n")
+        if head.startswith("# "):
+            cell["source"] = f"{head}\n\n{_banner(number, slug)}\n{rest}"
+            return
+        break
+    cells.insert(0, {"cell_type": "markdown", "id": "notebook-banner", "metadata": {},
+                     "source": _banner(number, slug)})
 
 
 def stage_notebook(number: str, slug: str, src: Path, dest: Path) -> None:
@@ -112,8 +126,7 @@ def stage_notebook(number: str, slug: str, src: Path, dest: Path) -> None:
     cells = [copy.deepcopy(c) for c in nb["cells"]]
     for cell in cells:
         _mark_solutions(cell)
-    # The banner goes right after the first cell (the chapter's heading).
-    cells.insert(1 if cells else 0, _banner(number, slug))
+    _with_banner(cells, number, slug)
     nb["cells"] = cells
     dest.write_text(json.dumps(nb, ensure_ascii=False), encoding="utf-8")
 

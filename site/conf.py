@@ -52,6 +52,11 @@ html_theme_options = {
 # The page's own source is not copied (it would be a second copy of every notebook): the banner
 # on each chapter links the notebook file itself.
 html_copy_source = False
+# The header bar already has the search field; the sidebar keeps the title and the chapters.
+html_sidebars = {"**": ["navbar-logo.html", "icon-links.html", "sbt-sidebar-nav.html"]}
+# The theme's script reads the colour mode from localStorage or this default; left unset, a first
+# visit logs "Got invalid theme mode: ." to the console (caught by scripts/check_site.py).
+html_context = {"default_mode": "auto"}
 html_show_sourcelink = False
 html_last_updated_fmt = None
 
