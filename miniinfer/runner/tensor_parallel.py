@@ -722,12 +722,7 @@ class TensorParallelForward:
             raise RankFailure(f"this tensor-parallel group is shut down ({group.closed_because})"
                               f"; build a new TensorParallelForward")
         header, payload = pack_step(input_ids, position_ids, metadata)
-        try:
-            if group.workers is not None:
-                group.workers.check()
-        except RankFailure as exc:
-            group.shutdown(str(exc), graceful=False)
-            raise
+        self.check_alive()
         try:
             group.broadcast_header(header)
             dist.broadcast(payload, 0)
@@ -740,6 +735,22 @@ class TensorParallelForward:
             failure = group.failure(exc)
             group.shutdown(str(failure), graceful=False)
             raise failure from exc
+
+    def check_alive(self) -> None:
+        """Raise :class:`RankFailure` if a worker has exited (the group is then shut down);
+        no collective runs, so a server's idle engine can call it between steps."""
+        group = self._group
+        if group is None or group.workers is None:
+            return
+        if group.closed_because is not None:
+            raise RankFailure(f"this tensor-parallel group is shut down ({group.closed_because})"
+                              f"; build a new TensorParallelForward")
+        try:
+            if group.workers.check():
+                raise RankFailure("every tensor-parallel worker has exited")
+        except RankFailure as exc:
+            group.shutdown(str(exc), graceful=False)
+            raise
 
     def close(self) -> None:
         """Shut the workers down (they exit their loop); the forward cannot run again."""

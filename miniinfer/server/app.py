@@ -19,6 +19,8 @@ import logging
 import os
 import signal
 import socket
+import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from ..core.models import (
 )
 from ..engines import make_engine, resolve_engine
 from ..engines.continuous import ContinuousEngine
-from .engine_loop import EngineLoop, RequestHandle, Update
+from .engine_loop import EngineLoop, RequestHandle, Update, dead_engine_error
 from .generation import (
     Choice,
     GenerationRequest,
@@ -72,6 +74,8 @@ from .tokens import PromptTokenizer, TextStream
 logger = logging.getLogger("miniinfer.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # 2 MiB: far more than any prompt the context can hold
+# The status ``serve`` exits with when the engine can no longer serve (a supervisor restarts it).
+EXIT_ENGINE_DEAD = 3
 
 
 @dataclass(slots=True)
@@ -94,8 +98,14 @@ class ServerConfig:
     strict_fields: bool = False  # a field nobody defines: 400 instead of a logged warning
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get a 413
     tensor_parallel: int | None = None  # the engine's runner over N processes (chapter 12)
+    # Once the engine can no longer serve, /health answers 503 for this long (a load balancer
+    # takes the server out), then the server exits with EXIT_ENGINE_DEAD.
+    exit_after_failure_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.exit_after_failure_s <= 3600:
+            raise InvalidRequestError(f"exit_after_failure_s must be in 0-3600, got "
+                                      f"{self.exit_after_failure_s}")
         for name in ("max_num_seqs", "max_waiting", "max_num_batched_tokens",
                      "max_request_bytes"):
             if getattr(self, name) < 1:
@@ -241,7 +251,12 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """200 while the engine can serve; a 503 saying why once it cannot (the server then
+        exits: EXIT_ENGINE_DEAD)."""
+        reason = engine_loop.health()
+        if reason is None:
+            return Response(status_code=200)
+        return JSONResponse(dead_engine_error(reason).body(), status_code=503)
 
     @app.get("/version")
     async def server_version() -> dict[str, str]:
@@ -469,11 +484,33 @@ def _error_json(error: APIError) -> str:
 
 class Server(uvicorn.Server):
     """uvicorn, but on SIGTERM or Ctrl-C the requests in flight are aborted first: uvicorn
-    waits for open connections to finish, and a stream would otherwise run to its end."""
+    waits for open connections to finish, and a stream would otherwise run to its end.
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop) -> None:
+    When the engine can no longer serve, the server stops ``exit_after_failure_s`` later
+    (``/health`` answers 503 meanwhile) and ``exit_status`` is EXIT_ENGINE_DEAD: no rebuilding
+    in place, a supervisor starts a fresh process."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop,
+                 exit_after_failure_s: float = 5.0) -> None:
         super().__init__(config)
         self.engine_loop = engine_loop
+        self.exit_after_failure_s = exit_after_failure_s
+        engine_loop.on_failure = self._engine_failed
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.engine_loop.failure is None else EXIT_ENGINE_DEAD
+
+    def _engine_failed(self, reason: str) -> None:
+        logger.error("GET /health answers 503 from now on; the server exits with status %d in "
+                     "%g s, for a supervisor to start a fresh one", EXIT_ENGINE_DEAD,
+                     self.exit_after_failure_s)
+        timer = threading.Timer(self.exit_after_failure_s, self._exit)
+        timer.daemon = True
+        timer.start()
+
+    def _exit(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine_loop.abort_all()
@@ -497,11 +534,12 @@ def build_server(config: ServerConfig, lm: LoadedModel | None = None,
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                access_log=False, timeout_graceful_shutdown=10,
                                http=LingeringH11Protocol)
-    return Server(uv_config, app.state.engine_loop), sock
+    return Server(uv_config, app.state.engine_loop, config.exit_after_failure_s), sock
 
 
 def run_server(config: ServerConfig) -> None:
-    """``python -m miniinfer serve``: serve until SIGTERM or Ctrl-C, then return normally."""
+    """``python -m miniinfer serve``: serve until SIGTERM or Ctrl-C, then return normally; or
+    until the engine can no longer serve, then exit with EXIT_ENGINE_DEAD."""
     server, sock = build_server(config)
     host, port = sock.getsockname()[:2]
     print(f"miniinfer: serving {config.model} with engine {config.engine} at "
@@ -515,4 +553,9 @@ def run_server(config: ServerConfig) -> None:
         server.run(sockets=[sock])
     finally:
         server.engine_loop.engine.close()  # a tensor-parallel runner's processes end too
+    if server.exit_status:
+        print(f"miniinfer: error: the engine could no longer serve "
+              f"({server.engine_loop.failure}); exiting with status {server.exit_status}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(server.exit_status)
 

@@ -6,6 +6,13 @@ Why a thread and not an asyncio task: a step is a forward pass that holds the CP
 the GPU) for milliseconds to seconds; on the event loop it would freeze every connection for
 that long. In a thread, PyTorch releases the GIL inside its kernels, so the event loop keeps
 accepting requests and writing tokens to sockets while the next step runs.
+
+When the engine can no longer serve (a tensor-parallel rank died, or the thread itself died on
+an error no request can be blamed for), the loop says so once and for all: ``failure`` holds
+the reason, every request in flight or still coming gets a 503, and ``on_failure`` tells the
+server (which answers ``/health`` with a 503 and exits non-zero so that a supervisor restarts
+it). An idle tensor-parallel engine probes its ranks every ``LIVENESS_PROBE_S``, so a rank that
+dies between requests is noticed without waiting for the next request.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.errors import MiniInferError
@@ -29,6 +36,8 @@ from .metrics import ServerMetrics
 from .protocol import APIError
 
 logger = logging.getLogger("miniinfer.server")
+
+LIVENESS_PROBE_S = 1.0  # an idle engine with worker processes checks them this often
 
 
 @dataclass(slots=True)
@@ -77,6 +86,21 @@ def _shares_prefixes(engine: ContinuousEngine) -> bool:
     return isinstance(engine.kv_cache.block_manager, PrefixCacheBlockManager)
 
 
+def _liveness_probe(engine: ContinuousEngine | None) -> Callable[[], None] | None:
+    """What raises when the engine's forward has lost a process it needs (a tensor-parallel
+    forward's ``check_alive``); None for a forward that runs in this process only."""
+    forward = getattr(getattr(engine, "runner", None), "forward", None)
+    return getattr(forward, "check_alive", None)
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    """An error after which no step can succeed: a tensor-parallel group that lost a rank is
+    shut down for good (its forward says so on every later call)."""
+    from ..runner.tensor_parallel import RankFailure
+
+    return isinstance(exc, RankFailure) or not isinstance(exc, Exception)
+
+
 _STOP = object()  # commands besides a RequestHandle (add) and a RequestId (abort)
 _ABORT_ALL = object()
 
@@ -101,6 +125,13 @@ class EngineLoop:
         # written by one thread only, so no lock is needed for their difference.
         self._num_submitted = 0
         self._num_taken = 0
+        self._probe = _liveness_probe(engine)
+        # Why the engine can no longer serve (None while it can); written once, by the loop
+        # thread. ``on_failure`` is called with it, on that thread.
+        self.failure: str | None = None
+        self.on_failure: Callable[[str], None] | None = None
+        self._stopping = False
+        self._unapplied: list = []
         self._thread = threading.Thread(target=self._run, name="miniinfer-engine-loop",
                                         daemon=True)
 
@@ -110,6 +141,15 @@ class EngineLoop:
     def num_waiting(self) -> int:
         return (self._num_submitted - self._num_taken + self._num_deferred
                 + len(self.engine.scheduler.waiting))
+
+    def health(self) -> str | None:
+        """None when the engine can serve; else why not."""
+        if self.failure is not None:
+            return self.failure
+        if self._thread.ident is not None and not self._thread.is_alive() \
+                and not self._stopping:
+            return "the engine loop's thread is not running"
+        return None
 
     def start(self) -> None:
         # The calling thread loaded the model and built the engine: its OpenMP team would
@@ -121,6 +161,8 @@ class EngineLoop:
         """Queue the choices of one request, or refuse them all with a 429 when
         ``max_waiting`` are already waiting: backpressure, instead of a queue that grows until
         memory runs out."""
+        if self.failure is not None:
+            raise dead_engine_error(self.failure)
         if self.num_waiting >= self.max_waiting:
             raise APIError(429, f"the server is at capacity: {self.num_waiting} requests are "
                            f"waiting (--max-waiting {self.max_waiting}); retry later",
@@ -134,6 +176,7 @@ class EngineLoop:
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort whatever is in flight and end the thread."""
+        self._stopping = True
         self._commands.put(_STOP)
         self._thread.join(timeout)
 
@@ -144,6 +187,13 @@ class EngineLoop:
     # -- the loop thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the engine is done
+            logger.exception("the engine loop failed; the engine can no longer serve")
+            self._die(f"{type(exc).__name__}: {exc}".splitlines()[0])
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             # Idle: block until a command comes. Busy: take what has come and step.
@@ -153,11 +203,15 @@ class EngineLoop:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            for command in commands:
+            # Taken off the queue, not yet applied: if the loop dies meanwhile, _die answers them.
+            self._unapplied = commands
+            while commands:
+                command = commands[0]
                 if command is _STOP:
                     self._abort_all("the server stopped")
                     return
                 self._apply(command)
+                commands.pop(0)
             if engine.has_unfinished_requests():
                 self._step()
 
@@ -170,7 +224,7 @@ class EngineLoop:
         they would have shared it. So after a request wakes an idle engine, the loop keeps
         taking arrivals until none has come for ``arrival_window_s`` (at most ten windows in
         all). A lone request pays one window; a busy engine never waits."""
-        commands = [self._commands.get()]
+        commands = [self._next_command()]
         if self.arrival_window_s <= 0 or not isinstance(commands[0], RequestHandle):
             return commands
         deadline = time.perf_counter() + 10 * self.arrival_window_s
@@ -180,6 +234,47 @@ class EngineLoop:
             except queue.Empty:
                 break
         return commands
+
+    def _next_command(self) -> object:
+        """Block until a command comes; with worker processes, probe them meanwhile."""
+        if self._probe is None:
+            return self._commands.get()
+        while True:
+            try:
+                return self._commands.get(timeout=LIVENESS_PROBE_S)
+            except queue.Empty:
+                self._probe()  # raises when a process the forward needs is gone
+
+    def _die(self, reason: str) -> None:
+        """The engine can no longer serve: say why, answer everything in flight and every
+        later request with a 503, tell the server, and wait for the stop."""
+        self.failure = reason
+        logger.error("the engine can no longer serve: %s", reason)
+        if self.metrics is not None:
+            self.metrics.engine_failed()
+        for command in self._unapplied:
+            if isinstance(command, RequestHandle) and command.request_id not in self._handles:
+                command.push(Update(command.index, [], error=dead_engine_error(reason)))
+        self._unapplied = []
+        try:
+            self._abort_all(f"the engine can no longer serve: {reason}", "engine_dead")
+        except Exception:  # noqa: BLE001 - the handles are answered below all the same
+            logger.exception("aborting the requests in flight failed")
+            for handle in list(self._handles.values()):
+                handle.push(Update(handle.index, [], error=dead_engine_error(reason)))
+            self._handles.clear()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_failure failed")
+        while True:  # a request submitted meanwhile still gets its answer
+            command = self._commands.get()
+            if command is _STOP:
+                return
+            if isinstance(command, RequestHandle):
+                self._num_taken += 1
+                command.push(Update(command.index, [], error=dead_engine_error(reason)))
 
     def _apply(self, command: RequestHandle | RequestId | object) -> None:
         if command is _ABORT_ALL:
@@ -225,20 +320,22 @@ class EngineLoop:
         else:
             self._handles[handle.request_id] = handle
 
-    def _abort_all(self, message: str) -> None:
+    def _abort_all(self, message: str, code: str | None = None) -> None:
+        stop = False
         while True:  # requests still on the queue get the same answer
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
+            stop = stop or command is _STOP
             if isinstance(command, RequestHandle):
                 self._num_taken += 1
-                command.push(Update(command.index, [], error=APIError(503, message,
-                                                                      "server_error")))
+                command.push(Update(command.index, [], error=APIError(
+                    503, message, "server_error", code=code)))
         for waiting in self._deferred.values():
             for handle in waiting:
-                handle.push(Update(handle.index, [], error=APIError(503, message,
-                                                                    "server_error")))
+                handle.push(Update(handle.index, [], error=APIError(
+                    503, message, "server_error", code=code)))
         self._deferred.clear()
         self._num_deferred = 0
         for request_id, handle in list(self._handles.items()):
@@ -246,14 +343,18 @@ class EngineLoop:
             self.engine.abort(request_id)
             self.metrics.finished(request)
             handle.push(Update(handle.index, [], error=APIError(
-                503, f"{message}; request aborted", "server_error")))
+                503, f"{message}; request aborted", "server_error", code=code)))
         self._handles.clear()
+        if stop:  # taken off the queue with the requests: the loop must still see it
+            self._commands.put(_STOP)
 
     def _step(self) -> None:
         before = {rid: r.num_preemptions for rid, r in self.engine.requests.items()}
         try:
             result = self.engine.step()
-        except Exception:
+        except Exception as exc:
+            if _is_fatal(exc):
+                raise  # _run: the engine is done
             # The step put the requests it held back in the waiting queue (nothing is lost);
             # they are the suspects.
             logger.exception("a step failed; running its requests one at a time to find which")
@@ -306,6 +407,8 @@ class EngineLoop:
                 while not request.finished and len(request.output_ids) == num_tokens:
                     self._publish(self.engine.step())
             except Exception as exc:
+                if _is_fatal(exc):
+                    raise
                 self._fail(request, exc)
                 continue
             if not request.finished:
@@ -325,3 +428,9 @@ class EngineLoop:
                 500, f"the engine failed on this request: {type(exc).__name__}: {exc}",
                 "server_error")))
 
+
+
+def dead_engine_error(reason: str) -> APIError:
+    """What every request gets once the engine can no longer serve, and ``/health`` too."""
+    return APIError(503, f"the engine can no longer serve: {reason}", "server_error",
+                    code="engine_dead")

@@ -1,8 +1,9 @@
 """``GET /metrics``: the server's counters, latency histograms and gauges in Prometheus' text
 format, under vLLM's names (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
 ``vllm:prefix_cache_hits``, ``vllm:time_to_first_token_seconds``...) and its ``model_name``
-label, so a dashboard built for vLLM reads our server as it is. Two gauges vLLM does not have
-are ours (``miniinfer:kv_blocks_*``: the pool in blocks rather than a fraction).
+label, so a dashboard built for vLLM reads our server as it is. Three gauges vLLM does not have
+are ours (``miniinfer:kv_blocks_*``: the pool in blocks rather than a fraction;
+``miniinfer:engine_healthy``: 0 once the engine can no longer serve).
 
 Latencies come from each request's timeline in the engine (arrival at the server to the step
 that produced the token), so they leave out the HTTP hop that a client's own measurement
@@ -76,6 +77,9 @@ class ServerMetrics:
             in_use)
         gauge("miniinfer:kv_blocks_total", "KV cache blocks in the pool.").set(
             manager.num_blocks)
+        self.healthy = gauge("miniinfer:engine_healthy", "1 while the engine can serve; 0 "
+                             "once it cannot (GET /health says why), until the server exits.")
+        self.healthy.set(1)
 
     def first_token(self, request: Request) -> None:
         """A request's first token: its prompt was looked up when it was admitted."""
@@ -109,6 +113,9 @@ class ServerMetrics:
 
     def failed(self) -> None:
         self._requests.labels(self.model_name, "error").inc()
+
+    def engine_failed(self) -> None:
+        self.healthy.set(0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
