@@ -6,7 +6,6 @@ import gzip
 import json
 
 import pandas as pd
-import pytest
 import torch
 
 from miniinfer import ENGINES
@@ -363,120 +362,20 @@ def test_every_chapter_has_exercises_and_each_stage_chapter_shows_its_diff():
                 chapter.notebook
 
 
-# -- the callouts: what a CPU and a GPU show, before the first cell runs ----------------------
+# -- how a chapter opens: what you will learn, and a link to its lab notes --------------------
 
 
-def test_every_notebook_opens_with_its_recorded_callout():
-    from miniinfer.book.callouts import MARK, callout
-    from miniinfer.book.notebook_callouts import notebook_callout
-
+def test_every_notebook_opens_with_what_you_will_learn():
+    # Static prose, never generated from whichever CSVs are on disk: a reader's own recording
+    # cannot change it (tests/test_reader_recordings.py).
     for number, chapter in CHAPTERS.items():
-        path = CHAPTERS_DIR / chapter.notebook
-        first = json.loads(path.read_text())["cells"][0]
-        lines = "".join(first["source"]).splitlines()
-        # The title, a blank line, then the callout.
-        assert lines[0].startswith(f"# Chapter {number} — ") and lines[2].startswith(f"> {MARK}")
-        expected = callout(number)
-        assert notebook_callout(path) == expected, (
-            f"{chapter.notebook}: its callout no longer matches the recorded rows; rewrite it "
-            f"with miniinfer.book.notebook_callouts.update_notebooks()")
-        cpu, gpu = expected.split("> **On a GPU you will see**")
-        assert cpu.count("\n> - ") == 2 and gpu.count("\n> - ") == 2, expected
-        assert "(recorded on )" not in expected, expected  # lines from rows name their device
-
-
-def test_callout_gpu_lines_cite_the_post_they_quote_until_a_gpu_row_exists():
-    from miniinfer.book.callouts import callout
-    from miniinfer.book.gpu_figures import GPU_FIGURES
-    from miniinfer.book.references import POSTS
-
-    for number, (key, _) in GPU_FIGURES.items():
-        text = callout(number)
-        if "(recorded on " in text.split("On a GPU")[1]:
-            continue  # a GPU row replaced the post's figure
-        if key:
-            assert POSTS[key].title in text
-
-
-def test_gpu_callouts_quote_the_recorded_gpu_rows():
-    """Chapters 00 and 07 on a GPU: the CUDA graph's % of hf as the GPU's CSV has it, not the
-    CPU's phrasing (a CPU has no graph row at all)."""
-    from miniinfer.book.callouts import callout
-    from miniinfer.book.results import recorded_results
-
-    rows = recorded_results("07")
-    graph = rows[rows.device.str.startswith("cuda") & (rows.engine == "async:cuda-graph")]
-    if graph.empty:
-        pytest.skip("no GPU row recorded for chapter 07")
-    graph = graph.sort_values("batch_size")
-    on_gpu = callout("07").split("On a GPU")[1]
-    assert ", ".join(f"{p:.0f}%" for p in graph.pct_of_hf) + " of hf" in on_gpu
-    assert "CPU" not in on_gpu
-    # The overview quotes one GPU, the latest to record the stage chapters: the graph's figure
-    # only where that GPU recorded chapter 07.
-    from miniinfer.book.callout_rows import on_device
-    from miniinfer.book.results import STAGE_CHAPTERS
-
-    stages = on_device(pd.concat([recorded_results(c) for c in STAGE_CHAPTERS]), gpu=True)
-    gpu, = set(stages.device_name)
-    overview = callout("00").split("On a GPU")[1]
-    assert f"(recorded on {gpu}" in overview
-    graph = graph[graph.device_name == gpu]
-    if graph.empty:
-        assert "CUDA graph" not in overview
-    else:
-        assert f"CUDA graph replays them at {graph.pct_of_hf.iloc[-1]:.0f}%" in overview
-
-
-def test_the_overview_names_the_gpu_of_its_serving_lines_where_another_recorded_the_stages():
-    """The overview's stage line reads the latest GPU to record the stage chapters, its serving
-    line the latest to record chapters 08 and 09: where they differ (an H200 recorded the stages,
-    an H100 the serving runs) the heading names both and the serving line its own."""
-    from miniinfer.book.callout_rows import on_device, runs_of
-    from miniinfer.book.callouts import callout
-    from miniinfer.book.results import STAGE_CHAPTERS, recorded_results
-
-    stages = on_device(pd.concat([recorded_results(c) for c in STAGE_CHAPTERS]), gpu=True)
-    serving = on_device(runs_of("08", "runs"), gpu=True)
-    if stages.empty or serving.empty:
-        pytest.skip("no GPU recorded both the stage chapters and chapter 08")
-    (stage_gpu,), (serving_gpu,) = set(stages.device_name), set(serving.device_name)
-    heading, stage_line, serving_line = callout("00").split("On a GPU")[1].split("\n> - ")
-    assert stage_gpu in heading and serving_gpu in heading
-    assert ("(on the " in serving_line) == (serving_gpu != stage_gpu)
-    if serving_gpu != stage_gpu:
-        assert f"(on the {serving_gpu})" in serving_line
-
-
-def test_a_gpu_callout_quotes_one_gpu_the_latest_recorded():
-    from miniinfer.book.callout_rows import on_device
-
-    rows = pd.DataFrame({"device": ["cuda:0", "cuda:0", "cuda:0", "cpu"],
-                         "device_name": ["NVIDIA H200", "NVIDIA H100", "NVIDIA H100", "AMD EPYC"],
-                         "date": ["2026-11-26T06:10:00Z", "2026-11-26T13:00:00Z",
-                                  "2026-11-26T12:59:00Z", "2026-11-27T00:00:00Z"],
-                         "pct_of_hf": [95.0, 97.0, 101.0, 100.0]})
-    assert on_device(rows, gpu=True).pct_of_hf.tolist() == [97.0, 101.0]
-    assert on_device(rows.iloc[[0, 3]], gpu=True).device_name.tolist() == ["NVIDIA H200"]
-    assert on_device(rows, gpu=False).device_name.tolist() == ["AMD EPYC"]
-
-
-def test_a_cpu_callout_quotes_one_host_when_two_of_one_name_recorded(tmp_path, monkeypatch):
-    # A Zen 4 and a Zen 3, both "AMD EPYC": read back, their names carry the instruction set,
-    # and a chapter's callout quotes the latest one's rows, not a mix of the two machines'.
-    from miniinfer.book import callout_rows, results
-    from miniinfer.book.callout_rows import bench_of
-
-    monkeypatch.setattr(results, "RESULTS", tmp_path)
-    monkeypatch.setattr(callout_rows, "RESULTS", tmp_path)
-    (tmp_path / "ch01").mkdir()
-    for isa, date, tok_s in (("AVX512", "2026-11-23T00:00:00Z", 30.0),
-                             ("AVX2", "2026-11-27T00:00:00Z", 15.0)):
-        pd.DataFrame({"device": ["cpu"], "device_name": ["AMD EPYC"], "isa": [isa],
-                      "date": [date], "engine": ["hf"], "tok_s": [tok_s]}).to_csv(
-            tmp_path / "ch01" / f"cpu-amd-epyc-{isa.lower()}.csv", index=False)
-    rows = bench_of("01", gpu=False, others=())
-    assert rows.device_name.tolist() == ["AMD EPYC (AVX2)"] and rows.tok_s.tolist() == [15.0]
+        first = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"][0]
+        text = "".join(first["source"])
+        assert text.startswith(f"# Chapter {number} — "), chapter.notebook
+        assert "**What you will learn**" in text and text.count("\n* ") >= 3, chapter.notebook
+        if number != "00":
+            notes = f"data/results/ch{number}/NOTES.md"
+            assert notes in text and (CHAPTERS_DIR.parent / notes).exists(), chapter.notebook
 
 
 def test_every_notebook_that_quotes_a_reference_post_cites_it():
