@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -26,9 +27,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from miniinfer.book.chapters import CHAPTERS  # noqa: E402
+
+def load_registry():
+    """miniinfer/book/chapters.py, read on its own: it is data only, and importing it through
+    the package would import torch (seconds) for nothing."""
+    name = "_miniinfer_chapter_registry"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "miniinfer" / "book" / "chapters.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+CHAPTERS = load_registry().CHAPTERS
 
 CONF_DIR = ROOT / "site"
 STAGE_DIR = ROOT / "build" / "site-src"

@@ -32,9 +32,9 @@ from pathlib import Path
 from urllib.parse import urldefrag
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from miniinfer.book.chapters import CHAPTERS  # noqa: E402
+from build_site import CHAPTERS  # noqa: E402  (the chapter registry, without importing torch)
 
 SITE_DIR = ROOT / "build" / "site"
 SHOT_DIR = ROOT / "build" / "site-check"
@@ -75,11 +75,18 @@ def notebook_figures(notebook: Path) -> int:
                if any(m in out.get("data", {}) for m in IMAGE_MIMES))
 
 
+def _built_from(notebook: str) -> Path:
+    """The notebook as the site was built from it (the staged copy, when the stage is still
+    there: chapters/ may have been re-executed since), else the one in chapters/."""
+    staged = ROOT / "build" / "site-src" / "chapters" / notebook
+    return staged if staged.is_file() else ROOT / "chapters" / notebook
+
+
 def pages(base: str) -> list[tuple[str, str, int | None]]:
     """(name, url, figures expected) of every page the browser opens."""
     out = [("index", base + "index.html", None)]
     out += [(f"chapter {ch.number}", f"{base}chapters/{ch.slug}.html",
-             notebook_figures(ROOT / "chapters" / ch.notebook)) for ch in CHAPTERS.values()]
+             notebook_figures(_built_from(ch.notebook))) for ch in CHAPTERS.values()]
     out.append(("search", base + "search.html", None))
     return out
 
