@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pandas as pd
 import torch
@@ -413,3 +414,25 @@ def test_every_recorded_table_names_its_machine_dtype_versions_and_commit():
     missing = {str(p.relative_to(RESULTS)): sorted(needed - set(pd.read_csv(p, nrows=0).columns))
                for p in files}
     assert not {name: cols for name, cols in missing.items() if cols}
+
+
+# -- a chapter teaches: short prose, no lab notes --------------------------------------------
+MAX_WORDS = 2500
+# A commit named in prose ("git 4b9aa69", "since 8e8f58b", "commit 1d1c717") is lab notes.
+COMMIT = re.compile(r"\b(?:git|commit|since|until|at)\s+`?[0-9a-f]{7,40}\b")
+
+
+def test_every_chapter_is_at_most_2500_words_of_prose_and_names_no_commit():
+    for chapter in CHAPTERS.values():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        prose = ["".join(c["source"]) for c in cells if c["cell_type"] == "markdown"]
+        words = sum(len(text.split()) for text in prose)
+        assert words <= MAX_WORDS, f"{chapter.notebook}: {words} words of markdown"
+        found = [m.group(0) for text in prose for m in COMMIT.finditer(text)]
+        assert not found, f"{chapter.notebook} names commits in its prose: {found}"
+
+
+def test_the_commit_pattern_finds_what_lab_notes_write():
+    assert COMMIT.search("recorded at git 4b9aa69 on the Zen 3")
+    assert COMMIT.search("the sweep measures every length first (since `8e8f58b`)")
+    assert not COMMIT.search("doi.org/10.1145/1498765.1498785")
