@@ -84,7 +84,7 @@ def index_markdown() -> str:
 
 def _mark_solutions(cell: dict) -> None:
     """Solution cells render collapsed: a code cell behind one "Show the solution" toggle (its
-    code and its outputs), a markdown cell inside a <details> element."""
+    code and its outputs), a markdown cell inside a <details> element (unless it already is)."""
     meta = cell.setdefault("metadata", {})
     tags = list(meta.get("tags", []))
     source_hidden = bool(meta.get("jupyter", {}).get("source_hidden"))
@@ -102,6 +102,8 @@ def _mark_solutions(cell: dict) -> None:
             meta["tags"] = tags
     elif cell["cell_type"] == "markdown" and (SOLUTION_TAG in tags or source_hidden):
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if src.lstrip().startswith("<details"):
+            return  # already behind its own toggle
         cell["source"] = ('<details class="solution">\n<summary>Show the solution</summary>\n\n'
                           f"{src}\n\n</details>\n")
 

@@ -74,6 +74,8 @@ FIXTURE = _nb([
     _md(4, "The answer, in prose: **SOLUTION-PROSE**.", tags=["solution"]),
     _md(5, "<details>\n<summary>A hint</summary>\n\nTry **HINT-BOLD**.\n\n</details>"),
     _code(6, "print('plain')  # PLAIN-CODE", "plain\n"),
+    _md(7, "<details>\n<summary>Solutions</summary>\n\n1. **OWN-DETAILS**\n\n</details>",
+        tags=["solution"]),
 ])
 
 
@@ -89,6 +91,7 @@ def test_solution_cells_are_marked_to_render_collapsed(tmp_path):
     assert cells[3]["metadata"]["tags"] == ["hide-input"]
     assert cells[4]["source"].startswith('<details class="solution">')
     assert cells[5] == FIXTURE["cells"][5] and cells[6] == FIXTURE["cells"][6]
+    assert cells[7]["source"] == FIXTURE["cells"][7]["source"]  # not wrapped twice
 
 
 def test_solutions_and_details_render_collapsed_in_html(tmp_path):
@@ -112,7 +115,7 @@ def test_solutions_and_details_render_collapsed_in_html(tmp_path):
         return before[opened:before.index(">", opened) + 1]
 
     for marker in ("SOLUTION-CODE", "SOLUTION-OUTPUT", "HIDDEN-SOURCE", "SOLUTION-PROSE",
-                   "HINT-BOLD"):
+                   "HINT-BOLD", "OWN-DETAILS"):
         assert " open" not in enclosing_details(marker), marker
     assert "Show the solution" in html
     assert "<strong>HINT-BOLD</strong>" in html  # markdown inside <details> is rendered
