@@ -123,7 +123,7 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
     assert df.tok_s.iloc[0] == 2.0 and source.startswith("recorded by your make chapter-06 on")
     assert f"AMD EPYC ({isa})" in source
     # Read back, the two hosts' rows are two machines to every table that groups by name.
-    both = results.recorded_results("06")
+    both = results.recorded_results("06", every_device=True)
     assert sorted(both.device_name) == sorted([f"AMD EPYC ({isa})", "AMD EPYC (OTHER)"])
     # Chapter 05's benchmark is <device>-bench.csv: found by its suffix, and only on this host.
     path.rename(path.with_name(path.stem + "-bench.csv"))

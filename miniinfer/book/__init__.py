@@ -48,6 +48,7 @@ from .results import (
     recorded_results,
     recorded_runs,
     recorded_timelines,
+    reference_files,
     results_markdown,
     speed_of_light_table,
     stage_results,
@@ -57,7 +58,7 @@ from .results import (
 from .roofline import plot_roofline
 
 __all__ = [
-    "CHAPTERS", "CHAPTERS_DIR", "POSTS", "RESULTS", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",
+    "CHAPTERS", "CHAPTERS_DIR", "POSTS", "RESULTS", "reference_files", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",
     "ablation_table", "attention_gather_ms", "book_style", "chapter_of_stage", "chapter_table", "chapters_markdown", "cite",
     "class_diff", "context_phase_table", "context_sentences", "device_table",
     "experiment_sentences", "gap_sentences", "gap_table", "hf_ratio_sentences",

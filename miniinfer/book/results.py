@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..core.devices import RESULTS_DIR, YOURS_DIR, cpu_label
-from .chapters import chapter_of_stage
+from .chapters import REFERENCE_DEVICES, chapter_of_stage, reference_device
 from .presets import Preset
 
 # The book's recordings; a reader's own ``make chapter-NN`` writes under YOURS instead.
@@ -40,9 +40,26 @@ def _is_sweep(path) -> bool:
     return path.name.endswith("-context.csv")
 
 
-def recorded_results(chapter: str) -> pd.DataFrame:
-    """Every device's benchmark CSV for a chapter, written by ``make chapter-NN`` runs."""
-    files = sorted(f for f in (RESULTS / f"ch{chapter}").glob("*.csv") if not _is_sweep(f))
+def is_reference(path: Path, chapter: str) -> bool:
+    """Whether a results file is one of the chapter's reference recordings (its name starts
+    with the reference CPU's or GPU's slug: ``<slug>.csv``, ``<slug>-runs.csv``, ...)."""
+    slugs = [reference_device(chapter, kind) for kind in REFERENCE_DEVICES]
+    name = path.name
+    return any(name.startswith((f"{slug}.", f"{slug}-")) for slug in slugs)
+
+
+def reference_files(chapter: str, pattern: str = "*.csv", every_device: bool = False
+                    ) -> list[Path]:
+    """The chapter's results files matching ``pattern`` (``"*-runs.csv"``, ``"kernel/*.csv"``):
+    the reference recordings only, unless ``every_device`` (the overview's other machines)."""
+    files = sorted((RESULTS / f"ch{chapter}").glob(pattern))
+    return files if every_device else [f for f in files if is_reference(f, chapter)]
+
+
+def recorded_results(chapter: str, every_device: bool = False) -> pd.DataFrame:
+    """The chapter's offline benchmark from its reference recordings (CPU and GPU), or from
+    every device that recorded it."""
+    files = [f for f in reference_files(chapter, every_device=every_device) if not _is_sweep(f)]
     if not files:
         return pd.DataFrame()
     return pd.concat([read_results(f) for f in files], ignore_index=True)
@@ -164,14 +181,13 @@ def device_table() -> pd.DataFrame:
 def recorded_timelines() -> list[Path]:
     """Chapter 07's recorded Gantt bars, one file per device (``ch07/timeline/<device>.csv.gz``;
     plain ``.csv`` from runs before they were gzipped)."""
-    folder = RESULTS / "ch07" / "timeline"
-    return sorted([*folder.glob("*.csv"), *folder.glob("*.csv.gz")])
+    return reference_files("07", "timeline/*.csv") + reference_files("07", "timeline/*.csv.gz")
 
 
 def recorded_context_sweeps(chapter: str) -> pd.DataFrame:
     """Every device's context-length sweep for a chapter (``chNN/<device>-context.csv``);
     empty until ``make chapter-NN`` has recorded one."""
-    files = sorted((RESULTS / f"ch{chapter}").glob("*-context.csv"))
+    files = reference_files(chapter, "*-context.csv")
     if not files:
         return pd.DataFrame()
     return pd.concat([read_results(f) for f in files], ignore_index=True)

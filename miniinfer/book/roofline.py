@@ -313,12 +313,12 @@ def recorded_rooflines(config) -> list[DeviceRoofline]:
     recorded model's): achieved points from ``<device>-roofline.csv`` where recorded, else from
     the chapter's recorded traces (batch 1, 4 and 8)."""
     from ..bench.profiling import load_trace
-    from .results import RESULTS, device_table, read_results
+    from .results import RESULTS, device_table, read_results, reference_files
 
     out_dir = RESULTS / "ch05"
     speeds = device_table()
     rooflines = []
-    for path in sorted(out_dir.glob("*-bench.csv")):
+    for path in reference_files("05", "*-bench.csv"):
         bench = read_results(path)
         slug = path.name.removesuffix("-bench.csv")
         # The host is the slug and the instruction set the bench ran with (one name, two hosts).
