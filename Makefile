@@ -47,6 +47,9 @@ test: setup
 	  --ignore=tests/test_openmp.py
 	OMP_NUM_THREADS=1 MINIINFER_PRESET=$(TEST_PRESET) $(PYTHON) -m pytest -q --nbval-lax \
 	  $(XDIST) chapters
+	# The book as a website, built from the notebooks as stored and checked in a real browser
+	# (about a minute; installs its own tools and Debian's chromium on first use).
+	$(MAKE) book-check
 
 lint: setup
 	$(PYTHON) -m ruff check miniinfer tests
