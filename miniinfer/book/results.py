@@ -207,6 +207,8 @@ def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "0
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
+    own = pd.Series([chapter_of_stage(e) for e in df.engine], index=df.index) == df.chapter
+    df = df.assign(own=own).sort_values("own", kind="stable")  # its own chapter's run last
     df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
     # One bandwidth per run (a run's rows share it), then the median over a device's runs.
     per_run = df.drop_duplicates(["device_name", "bandwidth_gbs"])
@@ -270,14 +272,17 @@ STAGE_CHAPTERS = ("01", "02", "03", "04", "06", "07")
 
 def stage_results(chapters: tuple[str, ...] = STAGE_CHAPTERS) -> pd.DataFrame:
     """Every stage's % of hf and % of the speed of light per recorded device and batch size,
-    one row each: a stage measured in several chapters is taken from its latest chapter's run
-    (its % of hf is from that run; its % of the floor is rescaled to one bandwidth per device
-    as in :func:`speed_of_light_table`)."""
+    one row each: a stage measured in several chapters is taken from the run of the chapter that
+    adds it, so the overview's figure is that chapter's table (where that chapter has no row on a
+    device, from the latest chapter's run; its % of the floor is rescaled to one bandwidth per
+    device as in :func:`speed_of_light_table`)."""
 
     frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
     if not frames:
         return pd.DataFrame()
     df = pd.concat(frames, ignore_index=True)
+    own = pd.Series([chapter_of_stage(e) for e in df.engine], index=df.index) == df.chapter
+    df = df.assign(own=own).sort_values("own", kind="stable")  # its own chapter's run last
     df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
     floor = speed_of_light_table(chapters).stack().rename("pct_of_floor").reset_index()
     df = df.drop(columns="pct_of_floor").merge(
