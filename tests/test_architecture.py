@@ -109,3 +109,58 @@ def test_makefile_targets_come_from_the_registry():
     makefile = (REPO / "Makefile").read_text()
     assert re.search(r"^chapter-%:", makefile, re.M)
     assert not re.search(r"^chapter-\d\d:", makefile, re.M)
+
+
+def _runs_a_layer(loop: ast.For) -> bool:
+    """Whether a loop's body runs a decoder layer's forward: calls its loop variable, an
+    attention (``*attend*``) or a matmul (``*linear*``)."""
+    target = ast.unparse(loop.target)
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name == target or "attend" in name or "linear" in name:
+                return True
+    return False
+
+
+def test_one_decoder_layer_loop():
+    """The decoder layers are run by one loop, the model definition's (runner/model.py): the
+    direct, compiled and sharded forwards all call it, so a new kind of weight or attention
+    changes one place. (Chapters 02-05 loop over HF's KV cache layers, to copy K/V, not to
+    run the layers.)"""
+    loops = sorted(f"{path.relative_to(REPO)}:{node.lineno}"
+             for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.For) and "layers" in ast.unparse(node.iter)
+             and _runs_a_layer(node))
+    assert loops == ["miniinfer/runner/model.py:" + str(_line_of("miniinfer/runner/model.py",
+                                                                  "for layer in self.layers:"))]
+
+
+def _line_of(relative: str, text: str) -> int:
+    lines = (REPO / relative).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.strip() == text)
+
+
+# HF's Llama/Qwen2 module attributes: reading one means walking HF's module tree.
+HF_MODULE_ATTRIBUTES = {"self_attn", "mlp", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                        "up_proj", "down_proj", "input_layernorm", "post_attention_layernorm",
+                        "embed_tokens", "rotary_emb"}
+
+
+def test_runner_forwards_read_no_hf_modules_after_load():
+    """Our model is built once from HF's state dict (``runner.model.load`` reads the rotary
+    frequencies, the one thing not in it); after that no runner code walks HF's module tree.
+    The ``registry`` forward runs HF's own modules by design and reads none of these either;
+    the static stages of chapters 01-07 (engines/) run HF's modules and are not checked."""
+    reads = []
+    for path in (PACKAGE / "runner").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        allowed = set()
+        if path.name == "model.py":
+            (load,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "load"]
+            allowed = {id(node) for node in ast.walk(load)}
+        reads += [f"{path.name}:{node.lineno} .{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in HF_MODULE_ATTRIBUTES
+                  and id(node) not in allowed]
+    assert reads == []

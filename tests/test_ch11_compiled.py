@@ -18,13 +18,15 @@ from miniinfer.core.kernels import cpu_decode
 from miniinfer.runner import compiled, compiled_attention
 from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
 from miniinfer.runner.compiled_attention import segment_attention
-from miniinfer.runner.onednn_linear import calls as onednn_calls
+from miniinfer.runner.model import load
 from miniinfer.runner.onednn_linear import (
+    PrepackedLinear,
     is_prepacked,
     onednn_available,
     onednn_linear,
-    prepack_model,
+    prepacked,
 )
+from miniinfer.runner.onednn_linear import calls as onednn_calls
 
 # Few buckets and no autotuning keep compiling to seconds (and the second engine's forward
 # reuses the first one's graphs: same weights, same shapes); the largest bucket is small
@@ -312,7 +314,8 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
     engine = make_engine("paged-attention", tiny)
     forward = CompiledForward(tiny.model, engine.kv_cache, TEMPLATE_OPTIONS)
     assert forward._gemm(8) == "template" and forward._gemm(16) == "onednn"
-    assert is_prepacked(prepack_model(tiny.model)[0].qkv)  # merged before the graph compiles
+    # Packed before the graph compiles.
+    assert is_prepacked(prepacked(load(tiny.model)).layers[0].attention.qkv.weight)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(10, 4000, (8,), generator=generator)
     positions, slots = torch.arange(8), torch.arange(8) + 16  # block 1, its first 8 slots
@@ -323,8 +326,8 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
         compiled = forward._body(ids, positions, slots, tables).clone()
         compiled_pool = forward.pool.clone()
         forward.pool.copy_(pool)
-        cos, sin = forward.rotary(forward.dtype_probe, positions[None])
-        eager = graph._orig_mod(ids, positions, cos[0], sin[0], slots, torch.arange(8), tables,
+        cos, sin = forward.model.rope(positions)
+        eager = graph._orig_mod(ids, positions, cos, sin, slots, torch.arange(8), tables,
                                 forward.pool)
     assert forward.compile_seconds.keys() == {("body", 8)}
     torch.testing.assert_close(compiled_pool, forward.pool, rtol=1e-4, atol=1e-4)  # K and V
@@ -381,26 +384,28 @@ def test_template_buckets_hold_one_packed_copy_of_the_weights(tiny):
 
 
 @pytest.mark.skipif(not onednn_available(torch.device("cpu")), reason="no oneDNN in this torch")
-def test_onednn_linear_reads_merged_prepacked_weights_and_falls_back_without(tiny):
-    merged = prepack_model(tiny.model)
-    assert prepack_model(tiny.model) is merged  # once per model
+def test_prepacked_linears_share_the_models_fused_weights_and_fall_back_without(tiny):
+    model = load(tiny.model)
+    packed = prepacked(model)
+    assert prepacked(model) is packed and load(tiny.model) is model  # once per model
+    dense, qkv = model.layers[0].attention.qkv, packed.layers[0].attention.qkv
+    assert isinstance(qkv, PrepackedLinear) and qkv.weight is dense.weight  # swapped, shared
+    assert type(dense).forward is not PrepackedLinear.forward  # the dense model is unchanged
     attn, mlp = tiny.model.model.layers[0].self_attn, tiny.model.model.layers[0].mlp
-    qkv = merged[0].qkv
-    # The merged weights are copies: the model's own projections stay where they were, each
-    # its own tensor (views into them misled inductor's GEMM template, see the test below).
-    stacked = {qkv.untyped_storage().data_ptr(), merged[0].gate_up.untyped_storage().data_ptr()}
+    # The fused weights are copies: HF's own projections stay where they were, each its own
+    # tensor (views into one tensor misled inductor's GEMM template, see the test above).
+    fused = {qkv.weight.untyped_storage().data_ptr(),
+             packed.layers[0].feed_forward.gate_up.weight.untyped_storage().data_ptr()}
     for projection in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
         assert projection.weight.storage_offset() == 0
-        assert projection.weight.untyped_storage().data_ptr() not in stacked
+        assert projection.weight.untyped_storage().data_ptr() not in fused
     torch.testing.assert_close(
-        qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
-    x = torch.randn(5, qkv.shape[1])
+        qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    x = torch.randn(5, qkv.weight.shape[1])
     before = dict(onednn_calls)
-    torch.testing.assert_close(onednn_linear(x, qkv, merged[0].qkv_bias),
-                               torch.nn.functional.linear(x, qkv, merged[0].qkv_bias),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(qkv(x), dense(x), rtol=1e-5, atol=1e-5)
     assert onednn_calls["packed"] == before["packed"] + 1
-    loose = torch.randn(7, qkv.shape[1])  # never prepacked: F.linear, exactly
+    loose = torch.randn(7, qkv.weight.shape[1])  # never prepacked: F.linear, exactly
     assert torch.equal(onednn_linear(x, loose), torch.nn.functional.linear(x, loose))
     assert onednn_calls["unpacked"] == before["unpacked"] + 1
 

@@ -74,8 +74,9 @@ from ..core.kernels import cpu_decode
 from ..core.kv_cache import PagedKVCache
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
 from .compiled_attention import fused_paged_attention, segment_attention
-from .direct import DirectForward, PagedAttend, _linear, _rope
-from .onednn_linear import MergedProjections, onednn_available, onednn_linear, prepack_model
+from .direct import DirectForward
+from .model import Model, PagedAttend
+from .onednn_linear import onednn_available, prepacked
 
 # Graphs dynamo may keep per compiled function (see CompiledForward.__init__).
 RECOMPILE_LIMIT = 512
@@ -86,7 +87,7 @@ MIN_TORCH = (2, 6)
 # a frozen graph's key does not cover what its weights are views of, and the graphs compiled
 # while the merged projections were views into the model's weights (see onednn_linear) hold
 # wrongly packed weights. Change it whenever cached graphs must not be reused.
-CACHE_KEY_TAG = "miniinfer-compiled-2"
+CACHE_KEY_TAG = "miniinfer-compiled-3"
 
 
 @dataclass(slots=True)
@@ -184,11 +185,11 @@ def compile_unavailable_reason(device: torch.device) -> str | None:
 
 
 class _Body(nn.Module):
-    """Embedding through the last decoder layer, over ``T`` tokens (a bucket's count). The
-    HF modules are held, not copied: their parameters are what freezing makes constants of."""
+    """The model's body over ``T`` tokens (a bucket's count), attending through the pool inside
+    the graph. The model is held, not copied: its parameters are what freezing makes constants
+    of."""
 
-    def __init__(self, model: PreTrainedModel, block_size: int, by_segment: bool,
-                 fused_rows: int, merged: list[MergedProjections] | None = None,
+    def __init__(self, model: Model, block_size: int, by_segment: bool, fused_rows: int,
                  token_kernel: bool = False) -> None:
         super().__init__()
         # Whether tokens past the first `fused_rows` attend through segment_attention.
@@ -196,30 +197,21 @@ class _Body(nn.Module):
         # Whether those first tokens (every token, when not by segment) attend through the
         # C++ kernel instead of the fused formula.
         self.token_kernel = token_kernel
-        # With the layers' merged projections, every matmul runs through oneDNN's prepacked
-        # weights (onednn_linear); without, through F.linear, which inductor compiles.
-        self.merged = merged
-        self.embed_tokens = model.model.embed_tokens
-        self.layers = model.model.layers
-        attention = self.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.scale = attention.scaling
+        self.model = model
         self.block_size = block_size
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
                 write_rows: torch.Tensor, token_tables: torch.Tensor,
                 pool: torch.Tensor) -> torch.Tensor:
-        """``cos``/``sin``: the rotary embedding of each token's position, ``[T, head_dim]``;
+        """``cos``/``sin``: the rotary embedding of each token's position, ``[T, 1, head_dim]``;
         ``pool``: the whole KV pool as ``[layers * 2 * slots, kv_heads, head_dim]`` (layer
         ``i``'s K at ``2i * slots``, its V at ``(2i + 1) * slots``); ``token_tables``: each
         token's block table ``[T, W]``; ``write_rows``: the row whose K/V each token writes
         (itself, or for padding a real token writing the same values again)."""
         tokens = input_ids.shape[0]
-        dim, block_size = self.head_dim, self.block_size
-        num_slots = pool.shape[0] // (2 * len(self.layers))
-        hidden = F.embedding(input_ids, self.embed_tokens.weight)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, dim]: broadcast over the heads
+        block_size = self.block_size
+        num_slots = pool.shape[0] // (2 * self.model.num_layers)
         # The first `fused` tokens attend with the fused formula, the rest (if any) by segment.
         fused = min(self.fused_rows, tokens) if self.by_segment else tokens
         # Slot of each context position of each fused token's request, and which it sees.
@@ -229,57 +221,37 @@ class _Body(nn.Module):
         positions = torch.arange(context_slots.shape[1], device=pool.device)
         visible = positions[None, :] <= position_ids[:fused, None]  # [fused, context]
         real = write_rows == torch.arange(tokens, device=pool.device)  # padding writes again
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm.forward(hidden)
-            linear = _linear if self.merged is None else _onednn_linear
-            if self.merged is None:
-                q, k, v = _linear(x, attn.q_proj), _linear(x, attn.k_proj), _linear(x, attn.v_proj)
-            else:
-                m = self.merged[i]
-                q, k, v = onednn_linear(x, m.qkv, m.qkv_bias).split(m.qkv_sizes, dim=-1)
-            q, k, v = (t.reshape(tokens, -1, dim) for t in (q, k, v))
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   scale: float) -> torch.Tensor:
             k_base, v_base = 2 * i * num_slots, (2 * i + 1) * num_slots
             pool.index_put_((slot_mapping + k_base,), k[write_rows])
             pool.index_put_((slot_mapping + v_base,), v[write_rows])
             if self.token_kernel:
                 out = cpu_decode.paged_token_attention(
                     q[:fused], pool, k_base, v_base, block_size, token_tables[:fused],
-                    position_ids[:fused], self.scale)
+                    position_ids[:fused], scale)
             else:
                 out = fused_paged_attention(q[:fused], pool[context_slots + k_base],
-                                            pool[context_slots + v_base], visible, self.scale)
+                                            pool[context_slots + v_base], visible, scale)
             if fused < tokens:
                 out = torch.cat([out, segment_attention(
                     q[fused:], pool, k_base, v_base, block_size, real[fused:],
-                    position_ids[fused:], token_tables[fused:], self.scale)])
-            hidden = hidden + linear(out.reshape(tokens, -1), attn.o_proj)
-            x = layer.post_attention_layernorm.forward(hidden)
-            mlp = layer.mlp
-            if self.merged is None:
-                gate, up = _linear(x, mlp.gate_proj), _linear(x, mlp.up_proj)
-            else:
-                gate, up = onednn_linear(x, self.merged[i].gate_up).chunk(2, dim=-1)
-            hidden = hidden + linear(mlp.act_fn(gate) * up, mlp.down_proj)
-        return hidden
+                    position_ids[fused:], token_tables[fused:], scale)])
+            return out
+
+        return self.model.body(input_ids, cos, sin, attend)
 
 
 class _Head(nn.Module):
     """The final norm and the LM head over the rows that need logits."""
 
-    def __init__(self, model: PreTrainedModel, linear=_linear) -> None:
+    def __init__(self, model: Model) -> None:
         super().__init__()
-        self.norm = model.model.norm
-        self.lm_head = model.lm_head
-        self.linear = linear
+        self.model = model
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.norm.forward(hidden), self.lm_head)
-
-
-def _onednn_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return onednn_linear(x, layer.weight, layer.bias)
+        return self.model.head(hidden)
 
 
 # Each model's compiled functions, by options (see CompiledForward.__init__); weak, so a
@@ -309,12 +281,11 @@ class CompiledForward:
                  options: CompileOptions | None = None) -> None:
         self.options = options or CompileOptions()
         self.eager = DirectForward(model)
+        self.model = self.eager.model
         self.kv_cache = kv_cache
         self.device = kv_cache.kv.device
         self.block_size = kv_cache.block_size
-        self.rotary = model.model.rotary_emb
-        # The rotary embedding reads only the dtype and device of the tensor it is given.
-        self.dtype_probe = torch.empty(0, dtype=kv_cache.kv.dtype, device=self.device)
+        self.dtype = kv_cache.kv.dtype
         # The vectors the CPU's kernels use (decides where oneDNN's matmuls pay; None on a GPU).
         self.cpu_isa = device_isa(self.device) if self.device.type == "cpu" else None
         # The pool as one flat tensor of slot rows (a view: the same memory the engine owns).
@@ -354,7 +325,7 @@ class CompiledForward:
         elif self.device.type != "cpu":
             self.reason_fused = "not on a CPU"
         else:
-            self.reason_fused = cpu_decode.unavailable(model.model.layers[0].self_attn.head_dim)
+            self.reason_fused = cpu_decode.unavailable(kv_cache.head_dim)
             if self.reason_fused is not None:
                 warnings.warn(f"C++ attention kernel unavailable ({self.reason_fused}); "
                               f"attending with the fused formula", RuntimeWarning, stacklevel=2)
@@ -366,19 +337,19 @@ class CompiledForward:
         shared = _SHARED.setdefault(model, {})
         key = (dataclasses.astuple(self.options), self.block_size, str(self.device),
                self.reason_fused is None)
-        # Once per model: weights merged and prepacked, kept while the model lives.
-        merged = prepack_model(model) if self._uses_onednn else None
         if key not in shared:
-            kinds = {"template": None, "aten": None, "onednn": merged}
+            # The oneDNN graphs run the model with its linears swapped for prepacked ones
+            # (packed once per model, kept while the model lives).
+            dense = self.model
+            kinds = {"template": dense, "aten": dense,
+                     "onednn": prepacked(dense) if self._uses_onednn else dense}
             shared[key] = (
                 {(gemm, by_segment): self._compile(
-                    _Body(model, self.block_size, by_segment,
-                          self.options.fused_attention_rows, projections,
+                    _Body(kind, self.block_size, by_segment, self.options.fused_attention_rows,
                           self.reason_fused is None), gemm == "template")
-                 for gemm, projections in kinds.items() for by_segment in (True, False)},
-                {gemm: self._compile(
-                    _Head(model, _linear if projections is None else _onednn_linear),
-                    gemm == "template") for gemm, projections in kinds.items()},
+                 for gemm, kind in kinds.items() for by_segment in (True, False)},
+                {gemm: self._compile(_Head(kind), gemm == "template")
+                 for gemm, kind in kinds.items()},
                 set())
         # The (graph, bucket) pairs any sharer has compiled (see _run).
         self.body, self.head, self._compiled = shared[key]
@@ -396,9 +367,9 @@ class CompiledForward:
     @property
     def _onednn_min_tokens(self) -> int | None:
         """From how many tokens a bucket's matmuls run through oneDNN (None: never)."""
-        if not onednn_available(self.device, self.dtype_probe.dtype):
+        if not onednn_available(self.device, self.dtype):
             return None
-        if self.dtype_probe.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16:
             return self.options.onednn_min_tokens_bf16
         if self.cpu_isa == "AVX2":
             return self.options.onednn_min_tokens_avx2
@@ -482,13 +453,12 @@ class CompiledForward:
             input_ids, position_ids = F.pad(input_ids, (0, pad)), F.pad(position_ids, (0, pad))
             slot_mapping = torch.cat([slot_mapping, slot_mapping[:1].expand(pad)])
             tables = F.pad(tables, (0, 0, 0, pad))
-        # HF's rotary embedding, called as DirectForward calls it, outside the graph: inside,
-        # inductor would recompute its cos and sin wherever RoPE is read, which in attention
-        # is once per context position.
-        cos, sin = self.rotary(self.dtype_probe, position_ids[None])
+        # The rotary embedding outside the graph: inside, inductor would recompute its cos
+        # and sin wherever RoPE is read, which in attention is once per context position.
+        cos, sin = self.model.rope(position_ids)
         torch._dynamo.mark_dynamic(tables, 1)
         graph = self.body[self._gemm(bucket), self._by_segment(bucket)]
-        return self._run(("body", bucket), graph, input_ids, position_ids, cos[0], sin[0],
+        return self._run(("body", bucket), graph, input_ids, position_ids, cos, sin,
                          slot_mapping, rows, tables, self.pool)
 
     def _head(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

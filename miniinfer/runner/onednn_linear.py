@@ -22,26 +22,25 @@ The packed copy is a second copy of the weights (SmolLM2-135M: about 0.5 GB in f
 copy serves every row count: oneDNN packs for a row-count hint, and a copy packed for 8 or 32
 rows ran as fast at 4-64 rows as copies packed for each (packed for 1 row it was 1.5x slower).
 
-As vLLM's model definitions do, a layer's query, key and value projections run as one matmul,
-and so do its gate and up projections (:func:`merge_projections`): 4 calls a layer instead of
-7, and wider ones: 4-12% off the body's matmuls at 1-64 rows in one microbenchmark. The merged
-weights are copies (SmolLM2-135M: about 0.3 GB more in fp32), not the model's own memory with
-its projections turned into views into them, as they once were: inductor's C++ GEMM template
-(torch 2.13) packs a frozen weight from the start of its storage, whatever the view's offset,
-so the small buckets' graphs, which do not merge, computed the key, value and up projections
-with the query's and gate's first rows (logits off by up to 58 on SmolLM2; tests check the
-template graphs against the eager forward now).
+The model's projections are already fused (a layer's query, key and value projections run as
+one matmul, and so do its gate and up projections: :mod:`.model`), so packing is a swap of
+the model's linears (:func:`prepacked`): every :class:`~miniinfer.runner.model.Linear` becomes a
+:class:`PrepackedLinear` over the same weight. Every weight the graphs see is a whole tensor of
+its own, never a view into a larger one: inductor's C++ GEMM template (torch 2.13) packs a
+frozen weight from the start of its storage, whatever the view's offset (once, with merged
+projections as views into the model's weights, logits were off by up to 58 on SmolLM2; tests
+check the template graphs against the eager forward).
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+from .model import Linear, Model, swap_linears
 
 # The row count oneDNN packs the weights for (see the module docstring).
 PACK_ROWS_HINT = 32
@@ -74,45 +73,6 @@ def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
     return weight.data_ptr(), tuple(weight.shape), weight.dtype
 
 
-@dataclass(frozen=True, slots=True)
-class MergedProjections:
-    """One decoder layer's projections that read the same input, as one weight each: ``qkv``
-    (query, key and value rows stacked, ``qkv_sizes`` rows each) and ``gate_up``."""
-
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    qkv_sizes: tuple[int, int, int]
-    gate_up: torch.Tensor
-
-
-_MERGED: weakref.WeakKeyDictionary[nn.Module, list[MergedProjections]] = \
-    weakref.WeakKeyDictionary()
-
-
-def merge_projections(model: nn.Module) -> list[MergedProjections]:
-    """Each decoder layer's :class:`MergedProjections` (once per model): stacked copies of its
-    weights, which stay as they were (see the module docstring for why not views)."""
-    if model in _MERGED:
-        return _MERGED[model]
-    merged = []
-    with torch.no_grad():
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-            sizes = tuple(p.weight.shape[0] for p in projections)
-            qkv = _stack([p.weight for p in projections])
-            bias = None if attn.q_proj.bias is None else _stack([p.bias for p in projections])
-            gate_up = _stack([mlp.gate_proj.weight, mlp.up_proj.weight])
-            merged.append(MergedProjections(qkv, bias, sizes, gate_up))
-    _MERGED[model] = merged
-    return merged
-
-
-def _stack(params: list[nn.Parameter]) -> torch.Tensor:
-    """The parameters' rows stacked into one new tensor."""
-    return torch.cat([p.detach() for p in params])
-
-
 def prepack(weights: list[torch.Tensor]) -> None:
     """Reorder each weight for oneDNN, once (a weight already packed is skipped). A packed
     copy lives as long as its weight."""
@@ -127,15 +87,28 @@ def prepack(weights: list[torch.Tensor]) -> None:
         weakref.finalize(weight, _PACKED.pop, key, None)
 
 
-def prepack_model(model: nn.Module) -> list[MergedProjections]:
-    """Merge ``model``'s projections and prepack every weight the oneDNN graphs read: the
-    merged ones, the output and down projections, and the LM head."""
-    merged = merge_projections(model)
-    weights = [model.lm_head.weight]
-    for layer, m in zip(model.model.layers, merged, strict=True):
-        weights += [m.qkv, m.gate_up, layer.self_attn.o_proj.weight, layer.mlp.down_proj.weight]
-    prepack(weights)
-    return merged
+class PrepackedLinear(Linear):
+    """A :class:`~miniinfer.runner.model.Linear` whose matmul runs through oneDNN over its
+    weight reordered once, here (the same weight tensor: the dense model and this one share
+    it; the packed copy is filed under it)."""
+
+    def __init__(self, dense: Linear) -> None:
+        super().__init__(dense.weight, dense.bias)
+        prepack([self.weight])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight, self.bias)
+
+
+_PREPACKED: weakref.WeakKeyDictionary[Model, Model] = weakref.WeakKeyDictionary()
+
+
+def prepacked(model: Model) -> Model:
+    """``model`` with every matmul a :class:`PrepackedLinear` (once per model: the packed
+    copies are made on the first call)."""
+    if model not in _PREPACKED:
+        _PREPACKED[model] = swap_linears(model, lambda _, linear: PrepackedLinear(linear))
+    return _PREPACKED[model]
 
 
 def is_prepacked(weight: torch.Tensor) -> bool:

@@ -75,7 +75,8 @@ from ..core.errors import InvalidRequestError, MiniInferError
 from ..core.kernels import BACKENDS
 from ..core.models import LoadedModel, load_model
 from .attention import MixedBatchMetadata, PagedAttentionMetadata
-from .direct import _rope, unsupported_reason
+from .direct import DirectForward
+from .model import Linear, Model, load, swap_linears, unsupported_reason
 
 # A step is milliseconds on a GPU and at most seconds on a CPU; a collective that waits this
 # long means a rank is gone or stuck.
@@ -190,120 +191,77 @@ def shard_layout(config, tensor_parallel: int, model_name: str = "the model") ->
 # -- one rank's slice of the model -------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class LayerShard:
-    """One decoder layer's weights on one rank (norms are HF's modules, shared, not copied)."""
+class RowParallelLinear(Linear):
+    """A :class:`~miniinfer.runner.model.Linear` split by input columns: this rank's slice of
+    the weight takes the slice of the input its column-parallel predecessor produced, the
+    partial products are summed over the ranks (one all-reduce), and the bias is added once.
+    Alone (one rank), exactly the dense ``F.linear``."""
 
-    input_norm: torch.nn.Module
-    post_norm: torch.nn.Module
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_bias: torch.Tensor | None
-    v_bias: torch.Tensor | None
-    o: torch.Tensor  # [hidden, local heads x head_dim]: this rank's input rows of o_proj
-    o_bias: torch.Tensor | None  # whole, added once after the all-reduce
-    gate: torch.Tensor
-    up: torch.Tensor
-    gate_bias: torch.Tensor | None
-    up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
-    act: Callable[[torch.Tensor], torch.Tensor]
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, world_size: int) -> None:
+        super().__init__(weight, bias)
+        self.world_size = world_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        partial = F.linear(x, self.weight)
+        dist.all_reduce(partial)
+        return partial if self.bias is None else partial + self.bias
 
 
-def _slice(t: torch.Tensor | None, dim: int, part: range, whole: int) -> torch.Tensor | None:
-    """``part`` of ``t`` along ``dim``: a view when it is all of it (TP=1 shares HF's weights,
-    as DirectForward does), else a contiguous copy, so that the full tensor can be freed."""
-    if t is None:
-        return None
-    if len(part) == whole:
-        return t
-    return t.narrow(dim, part.start, len(part)).clone(memory_format=torch.contiguous_format)
+def column_parallel(dense: Linear, rows: torch.Tensor) -> Linear:
+    """A column-parallel Linear: ``dense``'s output rows ``rows`` (its weight and bias rows,
+    copied, so that the whole tensor can be freed). It needs no communication: the next
+    row-parallel Linear reads its output as this rank's slice."""
+    bias = None if dense.bias is None else dense.bias[rows].contiguous()
+    return Linear(dense.weight[rows].contiguous(), bias)
 
 
-def _heads(heads: range, head_dim: int) -> range:
-    return range(heads.start * head_dim, heads.stop * head_dim)
+def _heads(heads: range, head_dim: int) -> torch.Tensor:
+    return torch.arange(heads.start * head_dim, heads.stop * head_dim)
 
 
-class ShardedForward:
-    """Rank ``rank``'s share of :class:`DirectForward`: the same ops on its slice of every
-    layer, an all-reduce after o_proj and after down_proj, and the LM head where ``lm_head``
-    (rank 0). Same call as DirectForward; without the LM head it returns None."""
+def shard_model(model: Model, layout: ShardLayout, rank: int, lm_head: bool) -> Model:
+    """Rank ``rank``'s share of ``model``: its query heads and their KV heads of the fused QKV
+    projection and its MLP channels of the fused gate/up projection (column parallel), the
+    matching input columns of the output and down projections (row parallel, an all-reduce
+    each), everything else shared; the LM head where ``lm_head`` (rank 0). At one rank, the
+    model's own weights (no copies)."""
+    if layout.world_size == 1:
+        return model
+    dim = layout.head_dim
+    q_all, kv_all = layout.num_heads * dim, layout.num_kv_heads * dim
+    q_rows, kv_rows = _heads(layout.q_heads(rank), dim), _heads(layout.kv_heads(rank), dim)
+    channels = layout.channels(rank)
+    channels = torch.arange(channels.start, channels.stop)
+    rows = {"qkv": torch.cat([q_rows, q_all + kv_rows, q_all + kv_all + kv_rows]),
+            "gate_up": torch.cat([channels, layout.intermediate_size + channels])}
+    columns = {"out": q_rows, "down": channels}
+
+    def split(name: str, linear: Linear) -> Linear:
+        kind = name.rsplit(".", 1)[-1]
+        if kind in rows:
+            return column_parallel(linear, rows[kind])
+        if kind in columns:
+            return RowParallelLinear(linear.weight[:, columns[kind]].contiguous(), linear.bias,
+                                     layout.world_size)
+        return linear if lm_head else None  # the LM head: whole, on rank 0 only
+
+    shard = swap_linears(model, split)
+    local = (len(q_rows), len(kv_rows), len(kv_rows))
+    for layer in shard.layers:
+        layer.attention.qkv_sizes = local
+    return shard
+
+
+class ShardedForward(DirectForward):
+    """Rank ``rank``'s share of :class:`DirectForward`: the same model with parallel linears
+    (:func:`shard_model`) and, on rank 0 only, the LM head. Same call as DirectForward;
+    without the LM head it returns None."""
 
     def __init__(self, model: PreTrainedModel, layout: ShardLayout, rank: int,
                  lm_head: bool) -> None:
-        self.world_size = layout.world_size
-        self.embed = model.model.embed_tokens.weight
-        self.rotary = model.model.rotary_emb
-        self.norm = model.model.norm if lm_head else None
-        self.lm_head = model.lm_head if lm_head else None
-        attention = model.model.layers[0].self_attn
-        self.head_dim = layout.head_dim
-        self.scale = attention.scaling
-        q_rows = _heads(layout.q_heads(rank), layout.head_dim)
-        kv_rows = _heads(layout.kv_heads(rank), layout.head_dim)
-        q_all = layout.num_heads * layout.head_dim
-        kv_all = layout.num_kv_heads * layout.head_dim
-        channels, inter = layout.channels(rank), layout.intermediate_size
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(LayerShard(
-                input_norm=layer.input_layernorm,
-                post_norm=layer.post_attention_layernorm,
-                q=_slice(attn.q_proj.weight, 0, q_rows, q_all),
-                k=_slice(attn.k_proj.weight, 0, kv_rows, kv_all),
-                v=_slice(attn.v_proj.weight, 0, kv_rows, kv_all),
-                q_bias=_slice(attn.q_proj.bias, 0, q_rows, q_all),
-                k_bias=_slice(attn.k_proj.bias, 0, kv_rows, kv_all),
-                v_bias=_slice(attn.v_proj.bias, 0, kv_rows, kv_all),
-                o=_slice(attn.o_proj.weight, 1, q_rows, q_all),
-                o_bias=attn.o_proj.bias,
-                gate=_slice(mlp.gate_proj.weight, 0, channels, inter),
-                up=_slice(mlp.up_proj.weight, 0, channels, inter),
-                gate_bias=_slice(mlp.gate_proj.bias, 0, channels, inter),
-                up_bias=_slice(mlp.up_proj.bias, 0, channels, inter),
-                down=_slice(mlp.down_proj.weight, 1, channels, inter),
-                down_bias=mlp.down_proj.bias,
-                act=mlp.act_fn,
-            ))
-
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: Metadata,
-                 logits_rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        hidden = F.embedding(input_ids, self.embed)  # [T, hidden], whole on every rank
-        cos, sin = self.rotary(hidden[None], position_ids[None])
-        cos, sin = cos[0, :, None], sin[0, :, None]
-        dim = self.head_dim
-        for i, layer in enumerate(self.layers):
-            x = layer.input_norm.forward(hidden)
-            tokens = x.shape[0]
-            q = F.linear(x, layer.q, layer.q_bias).view(tokens, -1, dim)
-            k = F.linear(x, layer.k, layer.k_bias).view(tokens, -1, dim)
-            v = F.linear(x, layer.v, layer.v_bias).view(tokens, -1, dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            out = metadata.attend(i, q, k, v, self.scale)  # this rank's heads, its own pool
-            hidden = hidden + self.row_parallel(out.reshape(tokens, -1), layer.o, layer.o_bias)
-            x = layer.post_norm.forward(hidden)
-            gated = layer.act(F.linear(x, layer.gate, layer.gate_bias)) \
-                * F.linear(x, layer.up, layer.up_bias)
-            hidden = hidden + self.row_parallel(gated, layer.down, layer.down_bias)
-        if self.lm_head is None:
-            return None
-        if logits_rows is not None:
-            hidden = hidden[logits_rows]
-        return F.linear(self.norm.forward(hidden), self.lm_head.weight, self.lm_head.bias)
-
-    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T`` summed over the ranks (each holds a slice of the inner dim), plus
-        the bias once. Alone, exactly DirectForward's ``F.linear``."""
-        if self.world_size == 1:
-            return F.linear(x, weight, bias)
-        partial = F.linear(x, weight)
-        dist.all_reduce(partial)
-        return partial if bias is None else partial + bias
+        super().__init__(shard_model(load(model), layout, rank, lm_head))
 
 
 def allocate_kv_pool(config, layout: ShardLayout, num_blocks: int, block_size: int,
