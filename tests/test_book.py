@@ -298,7 +298,7 @@ def _bench_rows(device, chapter, engines_pct, bandwidth=10.0):
                          for e, p in engines_pct.items()])
 
 
-def test_stage_results_take_each_stage_from_its_latest_chapter_on_every_device(monkeypatch):
+def test_stage_results_take_each_stage_from_the_chapter_that_adds_it(monkeypatch):
     runs = {
         "02": pd.concat([_bench_rows("cpu", "02", {"hf": 100.0, "paged-loop": 50.0}),
                          _bench_rows("H100", "02", {"hf": 100.0, "paged-loop": 40.0})]),
@@ -310,8 +310,8 @@ def test_stage_results_take_each_stage_from_its_latest_chapter_on_every_device(m
     df = stage_results(("02", "03"))
     cpu = df[df.device_name == "cpu"].set_index("engine")
     assert list(cpu.index) == ["hf", "paged-loop", "paged-vectorized"]  # book order, hf first
-    assert cpu.loc["paged-loop", "pct_of_hf"] == 60.0  # chapter 03's run, not 02's
-    assert cpu.loc["paged-loop", "pct_of_floor"] == 15.0
+    assert cpu.loc["paged-loop", "pct_of_hf"] == 50.0  # chapter 02's run, as chapter 02 shows it
+    assert cpu.loc["paged-vectorized", "pct_of_hf"] == 90.0
     assert set(df[df.device_name == "H100"].engine) == {"hf", "paged-loop"}
     fig = plot_stage_results(df)
     assert len(fig.axes) == 4  # two panels per recorded device

@@ -193,23 +193,33 @@ def recorded_context_sweeps(chapter: str) -> pd.DataFrame:
     return pd.concat([read_results(f) for f in files], ignore_index=True)
 
 
+def one_row_per_stage(chapters: tuple[str, ...]) -> pd.DataFrame:
+    """The chapters' benchmark rows, one per device, model, stage and batch size: a stage
+    measured in several chapters from the run of the chapter that adds it (so the overview
+    shows what that chapter shows), else from the latest chapter's run."""
+    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
+    if not frames:
+        return pd.DataFrame()
+    df = pd.concat(frames, ignore_index=True)
+    chapter = df.chapter if "chapter" in df else pd.Series("", index=df.index)
+    own = pd.Series([chapter_of_stage(e) for e in df.engine], index=df.index) == chapter
+    df = df.assign(own=own).sort_values("own", kind="stable")  # its own chapter's run last
+    return df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+
+
 def speed_of_light_table(chapters: tuple[str, ...] = ("01", "02", "03", "04", "06", "07")
                          ) -> pd.DataFrame:
     """Each stage's % of the decode floor per device and batch size, from the chapters'
-    recorded benchmarks (a stage measured in several chapters: its latest chapter's run).
+    recorded benchmarks (a stage measured in several chapters: :func:`one_row_per_stage`).
 
     Runs recorded before the device table measured their own copy bandwidth, which varies from
     run to run on a shared machine; so that runs of different chapters compare, each row's
     share is rescaled to one bandwidth per device: the device table's (``devices.csv``) where
     it has the device, else the median of its runs' (the share is bytes per step / bandwidth /
     step time, so it scales with 1 / bandwidth; a compute-bound floor is not rescaled)."""
-    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
-    if not frames:
-        return pd.DataFrame()
-    df = pd.concat(frames, ignore_index=True)
-    own = pd.Series([chapter_of_stage(e) for e in df.engine], index=df.index) == df.chapter
-    df = df.assign(own=own).sort_values("own", kind="stable")  # its own chapter's run last
-    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    df = one_row_per_stage(chapters)
+    if df.empty:
+        return df
     # One bandwidth per run (a run's rows share it), then the median over a device's runs.
     per_run = df.drop_duplicates(["device_name", "bandwidth_gbs"])
     device_bandwidth = df.device_name.map(per_run.groupby("device_name").bandwidth_gbs.median())
@@ -272,18 +282,12 @@ STAGE_CHAPTERS = ("01", "02", "03", "04", "06", "07")
 
 def stage_results(chapters: tuple[str, ...] = STAGE_CHAPTERS) -> pd.DataFrame:
     """Every stage's % of hf and % of the speed of light per recorded device and batch size,
-    one row each: a stage measured in several chapters is taken from the run of the chapter that
-    adds it, so the overview's figure is that chapter's table (where that chapter has no row on a
-    device, from the latest chapter's run; its % of the floor is rescaled to one bandwidth per
+    one row each (:func:`one_row_per_stage`; its % of the floor rescaled to one bandwidth per
     device as in :func:`speed_of_light_table`)."""
 
-    frames = [f for f in (recorded_results(c) for c in chapters) if not f.empty]
-    if not frames:
-        return pd.DataFrame()
-    df = pd.concat(frames, ignore_index=True)
-    own = pd.Series([chapter_of_stage(e) for e in df.engine], index=df.index) == df.chapter
-    df = df.assign(own=own).sort_values("own", kind="stable")  # its own chapter's run last
-    df = df.drop_duplicates(["device_name", "model", "engine", "batch_size"], keep="last")
+    df = one_row_per_stage(chapters)
+    if df.empty:
+        return df
     floor = speed_of_light_table(chapters).stack().rename("pct_of_floor").reset_index()
     df = df.drop(columns="pct_of_floor").merge(
         floor, on=["device_name", "model", "dtype", "batch_size", "engine"], how="left")
