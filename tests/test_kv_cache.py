@@ -190,3 +190,26 @@ def test_pool_holds_all_layers_in_one_tensor(tiny):
     assert cache.slots.data_ptr() == cache.kv.data_ptr()  # a view, not a copy
     assert torch.count_nonzero(cache.kv) == 0
     assert cache.block_manager.num_blocks == 5 and cache.nbytes == cache.kv.numel() * 4
+
+
+def test_truncate_takes_back_tokens_and_frees_exactly_the_blocks_it_empties():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    manager.add("a", 6)  # blocks 0, 1
+    manager.add("b", 1)  # block 2
+    assert manager.append("a", 7) == [3, 4]  # 13 tokens (a speculative step's drafts)
+    assert manager.truncate("a", 1) == [4]  # 12 tokens: block 4 held only token 12
+    assert manager.num_tokens["a"] == 12 and manager.block_tables["a"] == [0, 1, 3]
+    assert manager.truncate("a", 3) == []  # 9 tokens: block 3 still holds token 8
+    assert manager.truncate("a", 4) == [3]  # 5 tokens: blocks 0 and 1 only
+    assert manager.num_tokens["a"] == 5 and manager.block_tables["a"] == [0, 1]
+    assert manager.num_free_blocks == 3 and manager.block_tables["b"] == [2]
+    assert manager.slot("a", 4) == 4 and manager.truncate("a", 0) == []
+    with pytest.raises(IndexError):
+        manager.slot("a", 5)
+    with pytest.raises(InvalidRequestError, match="holds 5 tokens; cannot take back 6"):
+        manager.truncate("a", 6)
+    assert manager.append("a", 4) == [5]  # 9 tokens: the free list's next block
+    assert manager.truncate("a", 9) == [0, 1, 5]  # all of it: an empty table
+    assert manager.block_tables["a"] == [] and manager.num_tokens["a"] == 0
+    manager.free("a")
+    assert manager.num_free_blocks == 5

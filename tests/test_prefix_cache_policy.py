@@ -240,3 +240,29 @@ def test_a_preempted_request_finds_its_first_block_again():
     assert step(scheduler) == [("b", 3)]
     assert scheduler.block_manager.block_tables["b"][0] == b_blocks[0]
     assert b.num_cached_tokens == 0
+
+
+def test_truncated_blocks_leave_the_chain_and_keep_their_hashes():
+    manager = PrefixCacheBlockManager(num_blocks=6, block_size=2)
+    tokens = [10, 11, 12, 13, 14, 15]
+    blocks = list(start(manager, "a", tokens))  # 3 full blocks, hashed
+    chain = list(manager.chains["a"])
+    assert len(chain) == 3
+    assert manager.truncate("a", 3) == blocks[2:]  # 3 tokens left: blocks 0 and 1
+    assert manager.chains["a"] == chain[:1]  # block 1 is no longer full
+    # The freed block keeps its hash (its K/V is still those tokens'): evictable, not free.
+    assert manager.num_cached_blocks == 1 and blocks[2] in manager.evictable
+
+
+def test_the_scheduler_hashes_only_committed_tokens():
+    """A speculative step computes draft tokens past the request's own (prompt and output):
+    their blocks are full and computed, but never hashed until the tokens are verified."""
+    scheduler = make_scheduler(num_blocks=8)
+    request = add(scheduler, "a", [10, 11, 12], max_new_tokens=8)
+    assert step(scheduler) == [("a", 3)]  # 3 computed, output [0]: 4 committed tokens
+    manager = scheduler.block_manager
+    manager.append("a", 4)  # a step fed its last token and 3 drafts: 7 computed
+    request.num_computed_tokens = 7
+    scheduler._cache_full_blocks(request)  # what every step does before its admissions
+    assert len(manager.chains["a"]) == 2  # tokens 0-3, not the drafts' block (4-5)
+    assert len(manager.cached) == 2

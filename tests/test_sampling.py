@@ -357,3 +357,19 @@ def test_generators_greedy_none_seeded_repeatable_unseeded_fresh():
     unseeded = {make_generator(SamplingParams(temperature=1.0), cpu).initial_seed()
                 for _ in range(3)}
     assert len(unseeded) == 3  # each from fresh entropy, not one default seed
+
+
+def test_a_request_may_have_several_rows_each_sampled_in_turn():
+    """A speculative step scores k + 1 positions of one request: ``sample_batch`` takes the
+    request once per row, and a seeded request draws its rows' noise in row order."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    greedy = Request("g", [1], SamplingParams(), RequestTimeline(0.0))
+    seeded = Request("s", [1], SamplingParams(temperature=1.0, seed=3), RequestTimeline(0.0))
+    seeded.generator = torch.Generator().manual_seed(3)
+    tokens = sample_batch(logits, [greedy, greedy, seeded, seeded], None).token_ids
+    assert tokens[:2] == logits[:2].argmax(-1).tolist()
+    # The same two rows sampled one at a time from a fresh generator with the same seed.
+    seeded.generator = torch.Generator().manual_seed(3)
+    one_by_one = [sample_batch(logits[i : i + 1], [seeded], None).token_ids[0] for i in (2, 3)]
+    assert tokens[2:] == one_by_one

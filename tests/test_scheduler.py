@@ -237,3 +237,17 @@ def test_a_batch_counts_its_decodes_and_tokens_and_a_timeline_its_first_token():
     assert timeline.first_token is None
     timeline.token_times += [2.5, 3.0]
     assert timeline.first_token == 2.5
+
+
+def test_a_batch_scores_each_requests_last_token_unless_told_how_many():
+    from miniinfer import InvalidRequestError
+
+    a, b, c = (Request(name, [1, 2, 3, 4], SamplingParams(), RequestTimeline(0.0))
+               for name in "abc")
+    c.num_computed_tokens = 2
+    # a: its whole prompt (scores its last position); b: a partial chunk (none); c: its last
+    # two tokens, told to score both (a speculative step's k + 1 = 2 positions).
+    batch = ScheduledBatch([(a, 4), (b, 2), (c, 2)], [], num_scored={"c": 2})
+    assert [batch.scored(r, n) for r, n in batch.scheduled] == [1, 0, 2]
+    with pytest.raises(InvalidRequestError, match="is fed 2 token.* cannot score 3"):
+        ScheduledBatch([(c, 2)], [], num_scored={"c": 3}).scored(c, 2)

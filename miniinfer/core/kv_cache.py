@@ -124,9 +124,30 @@ class BlockManager:
 
     def free(self, request_id: RequestId) -> None:
         """Give all of a request's blocks back (it finished or was aborted)."""
-        self.free_list.extend(self._table(request_id))
+        self._release(self._table(request_id))
         del self.block_tables[request_id]
         del self.num_tokens[request_id]
+
+    def truncate(self, request_id: RequestId, n: int) -> list[int]:
+        """Take back the request's last ``n`` tokens (a speculative step's rejected draft
+        tokens): its length drops by ``n`` and the blocks that leaves empty are given back;
+        returns them, in block-table order. Their K/V need not be erased: the request's next
+        tokens overwrite those slots before anything reads them."""
+        table = self._table(request_id)
+        total = self.num_tokens[request_id]
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= total:
+            raise InvalidRequestError(f"request {request_id!r} holds {total} tokens; cannot "
+                                      f"take back {n!r}")
+        keep = blocks_for(total - n, self.block_size)
+        freed = table[keep:]
+        del table[keep:]
+        self.num_tokens[request_id] = total - n
+        self._release(freed[::-1])
+        return freed
+
+    def _release(self, blocks: list[int]) -> None:
+        """Blocks a request let go of (a subclass may keep them for others: chapter 09)."""
+        self.free_list.extend(blocks)
 
     def slot(self, request_id: RequestId, t: int) -> int:
         """Where token ``t`` of the request lives in the pool, counted in tokens."""

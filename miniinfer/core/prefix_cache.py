@@ -129,8 +129,11 @@ class PrefixCacheBlockManager(BlockManager):
     def cache_full_blocks(self, request_id: RequestId, num_computed_tokens: int,
                           token_ids: Callable[[int, int], list[int]]) -> None:
         """Give a hash to each block of the request that is now full and computed;
-        ``token_ids(start, end)`` reads the request's tokens. A block whose hash another block
-        already has stays unhashed (a duplicate computed before the first was cached)."""
+        ``token_ids(start, end)`` reads the request's tokens. Only committed tokens are ever
+        counted here (the caller passes at most the request's own prompt and output: a
+        speculative step's draft tokens, computed but not yet verified, never get a hash). A
+        block whose hash another block already has stays unhashed (a duplicate computed before
+        the first was cached)."""
         chain = self.chains.setdefault(request_id, [])
         table = self.block_tables[request_id]
         size = self.block_size
@@ -147,16 +150,30 @@ class PrefixCacheBlockManager(BlockManager):
         """Drop the request's references. Blocks nobody holds any more go back to the free list,
         or to the end of the evictable list if hashed; the request's last block first, so its
         first block, which more prompts share, is evicted last."""
-        for block in reversed(self._table(request_id)):
+        self._release(self._table(request_id)[::-1])
+        del self.block_tables[request_id]
+        del self.num_tokens[request_id]
+        self.chains.pop(request_id, None)
+
+    def truncate(self, request_id: RequestId, n: int) -> list[int]:
+        """Chapter 08's ``truncate``; the request's chain of hashes keeps only its blocks that
+        are still full."""
+        freed = super().truncate(request_id, n)
+        chain = self.chains.get(request_id)
+        if chain is not None:
+            del chain[self.num_tokens[request_id] // self.block_size:]
+        return freed
+
+    def _release(self, blocks: list[int]) -> None:
+        """Drop one reference to each block: one nobody holds any more goes back to the free
+        list, or to the end of the evictable list if hashed."""
+        for block in blocks:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if block in self.contents:
                     self.evictable[block] = None
                 else:
                     self.free_list.append(block)
-        del self.block_tables[request_id]
-        del self.num_tokens[request_id]
-        self.chains.pop(request_id, None)
 
     def evict_all(self) -> None:
         """Forget every cached block nobody holds (a benchmark run that must start cold)."""
@@ -219,5 +236,6 @@ class PrefixCacheScheduler(Scheduler):
         super().finish(request, reason, now)
 
     def _cache_full_blocks(self, request: Request) -> None:
-        self.block_manager.cache_full_blocks(request.request_id, request.num_computed_tokens,
-                                             request.token_ids)
+        # Committed tokens only: a step may have computed draft tokens past the request's own.
+        committed = min(request.num_computed_tokens, request.num_tokens)
+        self.block_manager.cache_full_blocks(request.request_id, committed, request.token_ids)

@@ -239,7 +239,10 @@ class SampledTokens:
 def sample_batch(logits: torch.Tensor, requests: Sequence[Request],
                  eos_token_id: int | None) -> SampledTokens:
     """Next tokens for a batch whose rows each carry their own parameters: ``logits`` [k, V]
-    are the last-position logits of ``requests`` (one row each).
+    are the scored positions' logits of ``requests`` (one request per row). A request may
+    name several consecutive rows (a speculative step scores k + 1 positions of one request):
+    each row is sampled with the request's committed state (its output so far for penalties
+    and ``min_tokens``), and a seeded request draws its rows' noise in row order.
 
     One pass over the batch, every step a tensor op over all rows (the rows that use a
     feature, where only some do), in vLLM's order: logit bias; EOS and stop tokens masked

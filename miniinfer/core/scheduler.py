@@ -133,10 +133,27 @@ class ScheduledBatch:
 
     scheduled: list[tuple[Request, int]]
     preempted: list[Request]
+    # How many of a request's fed positions (its last ones) get logits, where not the default
+    # (one when the step reaches the request's last token, else none). A speculative step
+    # feeds a request's last token and k draft tokens and scores all k + 1 (chapter 14).
+    num_scored: dict[RequestId, int] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
+        """Requests fed one token (a decode, or a one-token prompt chunk; the scheduler puts
+        them first): they go through the decode kernel, the others (prompt chunks, a
+        speculative step's k + 1 tokens) through the varlen one."""
         return sum(n == 1 for _, n in self.scheduled)
+
+    def scored(self, request: Request, n: int) -> int:
+        """How many of the ``n`` positions ``request`` is fed in this step get logits."""
+        scored = self.num_scored.get(request.request_id)
+        if scored is None:
+            return int(request.num_computed_tokens + n == request.num_tokens)
+        if not 0 <= scored <= n:
+            raise InvalidRequestError(f"request {request.request_id!r} is fed {n} token(s) "
+                                      f"this step; cannot score {scored}")
+        return scored
 
     @property
     def num_tokens(self) -> int:

@@ -10,10 +10,10 @@ What the runner owns:
 - the KV pool (:class:`~miniinfer.core.kv_cache.PagedKVCache`) and each layer's K/V views;
 - the attention backends: one for decodes and one for prompts (flash-attn only decodes, so
   prompts then go to the best backend that has a varlen kernel);
-- the forward, chosen by name from :data:`FORWARDS`: ``direct`` (our own Llama/Qwen2 forward,
-  :mod:`miniinfer.runner.direct`), ``registry`` (HF's module tree, our attention found by
-  name) or ``compiled`` (chapter 11: the direct forward under ``torch.compile``,
-  :mod:`miniinfer.runner.compiled`). Every forward has one signature, ``forward(input_ids
+- the forward, chosen by name from :data:`FORWARDS`: ``direct`` (our own Llama/Qwen2 model,
+  :mod:`miniinfer.runner.model`, run eagerly: :mod:`miniinfer.runner.direct`), ``registry``
+  (HF's module tree, our attention found by name) or ``compiled`` (chapter 11: the same model
+  under ``torch.compile``, :mod:`miniinfer.runner.compiled`). Every forward has one signature, ``forward(input_ids
   [T], position_ids [T], metadata, logits_rows=None) -> logits [rows, vocab]``, so a new way
   to run the model (compiled, sharded over processes) is one more entry here, not one more
   engine subclass;
@@ -181,8 +181,10 @@ class ModelRunner:
         return host.to(self.device, non_blocking=True)
 
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """The forward of one scheduled step; returns the logits of the requests that reached
-        their last token (they sample) and those requests, in the same order."""
+        """The forward of one scheduled step; returns the logits rows the step scores and the
+        request of each row, in the same order: by default one row for each request that
+        reached its last token (it samples); a request the batch scores at ``k + 1`` positions
+        (``ScheduledBatch.num_scored``) has ``k + 1`` consecutive rows."""
         with phase("prepare_inputs"):
             ids, positions, metadata, logits_rows, sampled = self.prepare_mixed_batch(batch)
         with phase("model_forward"):
@@ -192,8 +194,9 @@ class ModelRunner:
             torch.Tensor, torch.Tensor, MixedBatchMetadata, torch.Tensor, list[Request]]:
         """Flatten the scheduled tokens (decodes first) and send their ids, positions, slots,
         context lens, chunk boundaries, logits rows and block tables in one staged copy. Only
-        the last position of a request that reaches the end of its tokens goes through the LM
-        head; a partial prompt chunk only fills the cache."""
+        the positions the batch scores go through the LM head (by default the last position of
+        a request that reaches the end of its tokens); a partial prompt chunk only fills the
+        cache."""
         manager = self.kv_cache.block_manager
         block_size = manager.block_size
         ids: list[int] = []
@@ -213,9 +216,9 @@ class ModelRunner:
                       for t in range(start, end)]
             context_lens.append(end)
             tables.append(table)
-            if end == request.num_tokens:
-                logits_rows.append(len(ids) - 1)
-                sampled.append(request)
+            scored = batch.scored(request, n)
+            logits_rows += range(len(ids) - scored, len(ids))
+            sampled += [request] * scored
         num_decodes = batch.num_decodes
         chunk_lens = [n for _, n in batch.scheduled[num_decodes:]]
         cu_seqlens_q = [0, *accumulate(chunk_lens)]
