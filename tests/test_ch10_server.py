@@ -256,7 +256,7 @@ ERROR_CASES = [  # (body or raw bytes, status, words the message must hold, para
     ({"model": "tiny", "prompt": "hi", "top_p": 0}, 400, "top_p", "top_p"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ({"model": "tiny", "prompt": "hi", "max_tokens": "8"}, 400, "valid integer", "max_tokens"),
-    ({"model": "tiny", "prompt": "hi", "max_tokens": 8.0}, 400, "valid integer", "max_tokens"),
+    ({"model": "tiny", "prompt": "hi", "max_tokens": 8.5}, 400, "valid integer", "max_tokens"),
     ({"model": "tiny", "prompt": "hi", "stream": 1}, 400, "valid boolean", "stream"),
     ({"model": "tiny", "prompt": "hi", "stop": [""]}, 400, "at least 1 character", "stop.0"),
     ({"model": "tiny", "prompt": ""}, 400, "at least 1 character", "prompt"),

@@ -58,6 +58,7 @@ from .generation import (
 )
 from .linger import LingeringH11Protocol
 from .metrics import ServerMetrics
+from .openapi import install as install_openapi
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -464,6 +465,7 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
             if unfinished:
                 abort()
 
+    install_openapi(app, model_name)
     return app
 
 

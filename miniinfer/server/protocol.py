@@ -3,8 +3,10 @@ package itself define it: request bodies parsed straight from the raw bytes by p
 JSON parser into the models below, responses and stream chunks built from models, and every
 error as OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
 
-- Types are strict: a float, a bool or a string where an integer belongs is a 400, not a
-  silent conversion; NaN and infinity are refused; invalid UTF-8 or a lone surrogate anywhere
+- Types are strict: a bool, a string or a fraction where an integer belongs is a 400, not a
+  silent conversion (a float that is a whole number, ``8.0``, is the integer 8: JSON has one
+  number type, and JSON Schema's ``integer`` includes it; the schema fuzzer found that we
+  refused it); NaN and infinity are refused; invalid UTF-8 or a lone surrogate anywhere
   is invalid JSON, and so is nesting deeper than the parser's recursion limit.
 - The sampling fields are vLLM's (``top_k``, ``min_p``, penalties, ``logit_bias``,
   ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``n``, ``best_of``, ``logprobs``...), and
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -27,7 +30,9 @@ from pydantic import (
     Tag,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
 )
+from pydantic_core import PydanticCustomError
 
 from ..core.sampling import MAX_LOGPROBS, SEED_RANGE
 
@@ -69,8 +74,25 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
+def _whole(value: float) -> int:
+    if not value.is_integer():
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    return int(value)
+
+
+def Int(ge: int | None = None, le: int | None = None) -> Any:  # noqa: N802 - a type
+    """An integer field, ``ge <= value <= le``: a JSON integer, or a float that is a whole
+    number (``8.0``: JSON Schema's ``integer`` includes it). The int form comes first, so a
+    long list of token ids pays for nothing else."""
+    bounds = {k: v for k, v in (("ge", ge), ("le", le)) if v is not None}
+    published = {"type": "integer", **({"minimum": ge} if ge is not None else {}),
+                 **({"maximum": le} if le is not None else {})}
+    whole = Annotated[float, AfterValidator(_whole)]
+    return Annotated[int | whole, Field(**bounds), WithJsonSchema(published)]
+
+
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Int(ge=0)
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
@@ -112,23 +134,23 @@ class SamplingFields(OpenAIModel):
     """What both endpoints share. ``None`` is what a client sends for "not set"."""
 
     model: NonEmptyText
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    max_tokens: Int(ge=1) | None = None
+    max_completion_tokens: Int(ge=1) | None = None
+    n: Int(ge=1, le=MAX_CHOICES) | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 and 0 mean no top-k
+    top_k: Int(ge=-1) | None = None  # vLLM: -1 and 0 mean no top-k
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
-    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    seed: Int(ge=SEED_RANGE[0], le=SEED_RANGE[1]) | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
     ignore_eos: bool | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    min_tokens: Int(ge=0) | None = None
     skip_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -139,9 +161,9 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
-    best_of: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    best_of: Int(ge=1, le=MAX_CHOICES) | None = None
     echo: bool | None = None
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     suffix: str | None = None
 
 
@@ -159,7 +181,7 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Int(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
