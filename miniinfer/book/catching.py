@@ -1,6 +1,10 @@
 """Chapter 11's recording: our engine before and after ``torch.compile``, beside vLLM.
 
-Each table's rows come from one run, so that its ratios compare like with like:
+What the chapter shows is recorded by default: the offline benchmark, the ``target`` workload
+in-process and over HTTP. The probes behind its lab notes (bf16, the ablation, the profiles,
+the step kernels, the budget sweep) take over an hour on 2 cores and run only with
+``MINIINFER_CH11_PROBES=1``. Each table's rows come from one run, so that its ratios compare
+like with like:
 
 - the offline benchmark (``<device>.csv``): hf, chapter 06's ``paged-attention`` (our best
   eager stage), the ``compiled`` stage and, when installed, the peer ``vllm``, at batch 1 and 8;
@@ -12,8 +16,7 @@ Each table's rows come from one run, so that its ratios compare like with like:
 - the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
   eager forward and on the compiled one with its fixes added one at a time;
 - chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
-  ``target`` experiment with ``continuous`` on the eager forward and on the compiled one
-  (``compiled``) and vLLM's offline ``LLM.generate``, in :data:`SERVED_REPEATS` rounds of the
+  ``target`` experiment with ``compiled`` and vLLM's offline ``LLM.generate``, in :data:`SERVED_REPEATS` rounds of the
   three in turn; the ``budget`` experiment, ``compiled`` and vLLM in turn at each of chapter
   08's token budgets, once (the throughput-latency curve);
 - the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
@@ -32,6 +35,7 @@ Without the peer (``make peers``) the chapter records our rows and says so.
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -79,10 +83,13 @@ def peer_available() -> bool:
     return True
 
 
+PROBES_ENV = "MINIINFER_CH11_PROBES"
+
+
 def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
-    """Chapter 11 on this machine: the offline benchmark and the compile times, the ablation,
-    then chapter 08's workloads served by each system, in-process and over HTTP (see the
-    module's docstring). Each part writes its files when it ends."""
+    """Chapter 11 on this machine: the offline benchmark and the compile times, then chapter
+    08's target workload served by each system, in-process and over HTTP; with the probes (see
+    the module's docstring) the rest. Each part writes its files when it ends."""
     dev = resolve_device(device)
     if dev.type == "cuda":
         # The GPU plan has no room left in a session's device time (book.plans), and the
@@ -93,12 +100,15 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     model, _ = default_workload(dev)
     lm = load_model(model, device=dev)
     written = record_offline(lm, peer)
-    written += record_served(lm, peer)
+    probes = os.environ.get(PROBES_ENV) == "1"
+    written += record_served(lm, peer, budget_sweep=probes)
+    target = served_experiments(dev, peer)["target"]
+    written.append(record_http(lm, target, peer))
+    if not probes:
+        return written
     if bf16_supported(dev):
         bf16 = load_model(model, device=dev, dtype=torch.bfloat16)
         written += [record_bf16(bf16, peer), *record_served_bf16(bf16, peer)]
-    target = served_experiments(dev, peer)["target"]
-    written.append(record_http(lm, target, peer))
     written.append(record_profiles(lm, target, peer))
     written.append(record_step_kernels(lm, with_peer=peer))
     # Last: its four compiled forwards' graphs stay in memory with the process.
@@ -209,20 +219,25 @@ def record_bf16(bf16: LoadedModel, peer: bool) -> Path:
 
 
 def served_experiments(dev: torch.device, peer: bool) -> dict[str, ServingBenchConfig]:
-    """Chapter 08's ``target`` workload with ``continuous``, ``compiled`` and vLLM, in
+    """Chapter 08's ``target`` workload with ``compiled`` and vLLM, in
     :data:`SERVED_REPEATS` rounds, and its ``budget`` sweep with ``compiled`` and vLLM in turn
     at each budget, once (each budget one point of the wde post's throughput-latency curve)."""
     _, experiments = serving_experiments(dev)
     vllm = (VLLM,) if peer else ()
-    return {"target": replace(experiments["target"], systems=("continuous", "compiled", *vllm),
+    # Chapter 08 shows `continuous` on this workload; here the compiled stage meets the peer.
+    return {"target": replace(experiments["target"], systems=("compiled", *vllm),
                               chapter="11", repeats=SERVED_REPEATS),
             "budget": replace(experiments["budget"], systems=("compiled", *vllm),
                               chapter="11")}
 
 
-def record_served(lm: LoadedModel, peer: bool) -> list[Path]:
-    """:func:`served_experiments` in-process -> ``-{runs,requests,steps}.csv``."""
-    return record_serving(lm.device, "11", lm.name, served_experiments(lm.device, peer))[1]
+def record_served(lm: LoadedModel, peer: bool, budget_sweep: bool = True) -> list[Path]:
+    """:func:`served_experiments` in-process (the budget sweep only if ``budget_sweep``) ->
+    ``-{runs,requests,steps}.csv``."""
+    experiments = served_experiments(lm.device, peer)
+    if not budget_sweep:
+        del experiments["budget"]
+    return record_serving(lm.device, "11", lm.name, experiments)[1]
 
 
 def record_served_bf16(bf16: LoadedModel, peer: bool) -> list[Path]:

@@ -203,14 +203,10 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
 
 # Fixed costs on a CPU, seen on a 2-core EPYC: the compiled stage's warm-up compiles a graph per
 # token bucket, about 11 minutes from a cold inductor cache and 3-4 from a warm one (chapter 11
-# compiles in two processes: its own, whose engines then share the graphs, and its server's);
+# compiles in two processes: its own, cold, and its server's, from the cache the first left);
 # each vLLM engine or server starts in 2-6 minutes.
-COMPILE_S = 2 * 660
+COMPILE_S = 660 + 240
 VLLM_START_S = 2 * 240
-# Chapter 11's step profile (book.catching.record_step_kernels): 3 rounds of 4 step shapes on
-# both systems, each profiled and then timed with no profiler, and its profiled forward's graphs
-# from inductor's cache: 874 s on the Zen 3 (git c7a66ed), kept as the estimate on any CPU.
-STEP_PROFILE_S = 874
 
 
 def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
@@ -236,11 +232,10 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
 
 
 def chapter11_plan(device: torch.device) -> ChapterPlan:
-    """The offline benchmark at batch 1 and 8 (fp32, and bf16), the compile times, the
-    ablation, chapter 08's target workload with ``continuous``, ``compiled`` and vLLM (and in
-    bf16 with ``compiled`` and vLLM), its budget sweep with ``compiled`` and vLLM, the target workload over HTTP against our
-    compiled server and ``vllm serve``, and both engines profiled on it (vLLM counted whether
-    or not the peer is installed: an upper bound), the step profile, with the start-ups."""
+    """What the chapter shows: the offline benchmark at batch 1 and 8 with the compile, chapter
+    08's target workload in-process with ``compiled`` and vLLM, and over HTTP
+    against our compiled server and ``vllm serve`` (vLLM counted whether or not the peer is
+    installed: an upper bound). The probes (``MINIINFER_CH11_PROBES=1``) are not counted."""
     from .catching import BATCH_SIZES, SERVED_REPEATS
 
     model, base = default_workload(device)
@@ -248,39 +243,19 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
         return ChapterPlan(model, "-", (), (), "nothing on a GPU yet (CPU only for now)", 0, 0.0)
     config = replace(base, engines=CHAPTERS["11"].engines_for(device.type),
                      batch_sizes=BATCH_SIZES)
-    experiments = serving_experiments(device)[1]
-    target = replace(experiments["target"], repeats=SERVED_REPEATS)
-    budget = experiments["budget"]
-    ours = serving_plan(model, {"target": replace(target, systems=("continuous", "compiled")),
-                                "budget": replace(budget, systems=("compiled",))},
+    target = replace(serving_experiments(device)[1]["target"], repeats=SERVED_REPEATS)
+    ours = serving_plan(model, {"target": replace(target, systems=("compiled",))},
                         device, "target").estimate_s
-    # The peer's runs are counted by hand (a config naming vllm needs the peer installed):
-    # the target workload in-process (in fp32 and in bf16) and over HTTP, each SERVED_REPEATS
-    # times, profiled (two runs), and one run per budget, each in a vLLM of its own; our
-    # server's runs over HTTP and our profile's two runs are more target runs.
+    # The peer's runs are counted by hand (a config naming vllm needs the peer installed): the
+    # target workload in-process and over HTTP, SERVED_REPEATS times each, each in a vLLM of
+    # its own start; our server's runs over HTTP are more target runs, after its own compile.
     tok_s = device_costs(device).serving_tok_s["vllm"]
     target_s = target.workload.num_requests * sum(target.workload.output_len) / 2 / tok_s
-    budget_s = budget.workload.num_requests * sum(budget.workload.output_len) / 2 / tok_s
-    vllm_starts = 4 + len(budget.max_num_batched_tokens)
-    # The ablation: chapter 06's engine eager and on six compiled forwards, most of which
-    # compile their own graphs (the others' come from the stage's, through inductor's cache).
-    ablation = replace(config, engines=("paged-attention", *6 * ("compiled",)))
-    # The bf16 benchmark: hf and compiled (its few buckets compiled afresh), and vLLM's start;
-    # then the target workload in bf16, compiled (every bucket compiled afresh) and vLLM,
-    # in-process and over HTTP (our server loading the graphs from inductor's cache).
-    bf16 = replace(config, engines=("hf", "compiled"))
-    bf16_served = serving_plan(model, {"target": replace(target, systems=("compiled",))},
-                               device, "target").estimate_s
     seconds = (bench_plan(model, device, config).estimate_s + COMPILE_S + ours
-               + bench_plan(model, device, bf16).estimate_s + COMPILE_S / 4
-               + bf16_served + COMPILE_S / 2 + VLLM_START_S + SERVED_REPEATS * target_s
-               + COMPILE_S / 4 + VLLM_START_S + 2 * SERVED_REPEATS * target_s
-               + bench_plan(model, device, ablation).estimate_s + COMPILE_S / 2
-               + (vllm_starts + 1) * VLLM_START_S / 2 + (3 * SERVED_REPEATS + 4) * target_s
-               + len(budget.max_num_batched_tokens) * budget_s + STEP_PROFILE_S)
+               + 2 * VLLM_START_S + 3 * SERVED_REPEATS * target_s)
     return replace(bench_plan(model, device, config), estimate_s=seconds,
                    tokens=f"prompt {base.prompt_len} + {base.new_tokens} new; chapter 08's "
-                          f"target workload (in-process, over HTTP, profiled) and budget sweep")
+                          f"target workload in-process and over HTTP")
 
 
 def chapter12_plan(device: torch.device) -> ChapterPlan:

@@ -22,12 +22,13 @@ def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
         return default_model(device), BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
                                                   new_tokens=64, warmup=1, repeat=3)
     # A shared CPU drifts by 10-30% within minutes and single paired ratios move by 5-12
-    # points, so 7 repeats: enough for a median ratio and a min-max spread that mean something.
+    # points, so 5 repeats: enough for a median ratio and a min-max spread that mean something,
+    # and the whole book still records in one sitting (`repro all --dry-run`).
     # MINIINFER_QUICK=1 halves the decode length and keeps 3 repeats (a reader in a hurry).
     quick = os.environ.get("MINIINFER_QUICK") == "1"
     return default_model(device), BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
                                               new_tokens=32 if quick else 64, warmup=1,
-                                       repeat=3 if quick else 7)
+                                       repeat=3 if quick else 5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,8 @@ class ContextSweep:
 def context_sweep(device: torch.device) -> ContextSweep:
     if device.type == "cuda":
         return ContextSweep((128, 512, 1024, 2048, 4096), new_tokens=32, profiled_steps=4)
-    # About 2-3 minutes per chapter on 2 cores; 2048 would more than double it (prefill).
-    return ContextSweep((128, 256, 512, 1024))
+    # About 2 minutes per chapter on 2 cores; 2048 would more than double it (prefill).
+    return ContextSweep((128, 512, 1024))
 
 
 def chapter05_profile_steps(device: torch.device) -> int:
@@ -85,7 +86,7 @@ def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBen
                                        request_rates=(4.0, 8.0, 16.0),
                                        max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
         }
-    # Sized to take about 14 minutes on 2 cores. The budget sweep sends its requests all at
+    # Sized to take about 12 minutes on 2 cores. The budget sweep sends its requests all at
     # once, so every budget is measured saturated (arriving at 1 request/s, 16 requests were
     # arrival-bound: throughput could not move). The rate sweep starts below what every system
     # sustains (hf-cb saturates near 1 request/s here, continuous near 3) and ends above it;
@@ -99,7 +100,7 @@ def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBen
         "budget": ServingBenchConfig(online, ("continuous",),
                                      max_num_batched_tokens=(32, 64, 128, 256, 512)),
         "rate": ServingBenchConfig(online, ("continuous", "static-paged-attention", "hf-cb"),
-                                   request_rates=(0.5, 1.0, 2.0, 4.0),
+                                   request_rates=(1.0, 2.0, 4.0),
                                    max_num_batched_tokens=(512,)),
     }
 
