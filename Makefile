@@ -115,3 +115,11 @@ book-browser:
 
 book-check: book book-browser
 	$(PYTHON) scripts/check_site.py --chromium $(CHROMIUM)
+
+# A bounded soak of the server (issue 68): minutes of mixed plain, streamed and cancelled
+# requests on the tiny model over loopback; fails unless RSS (+32 MiB at most), open file
+# descriptors (+2) and KV blocks in use (0) are flat between a warmed-up start and the end.
+SOAK_SECONDS ?= 180
+.PHONY: soak
+soak: setup
+	OMP_NUM_THREADS=1 $(PYTHON) scripts/soak.py --seconds $(SOAK_SECONDS)
