@@ -245,8 +245,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .engines import make_engine, resolve_engine
 
     # Cheap checks first: a typo should not cost a model load.
-    resolve_engine(args.engine)
+    cls, _ = resolve_engine(args.engine)
     options = _runner_options(args, args.engine)
+    if getattr(cls, "compiles_ahead", False):
+        # One run of a few prompts: compile the buckets its steps meet, when they meet them,
+        # not every bucket a server would (minutes on a CPU before the first token).
+        options["warm_up"] = False
     _check_model(args)
     texts = _read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,

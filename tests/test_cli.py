@@ -55,3 +55,29 @@ def test_bench_writes_tidy_csv(tmp_path):
     assert (df[["tok_s", "step_ms", "ttft_ms", "tpot_ms", "pct_of_hf"]] > 0).all().all()
     assert df[df.engine == "hf"].pct_of_hf.tolist() == pytest.approx([100, 100])
     assert (df.pct_of_hf_min <= df.pct_of_hf).all() and (df.pct_of_hf <= df.pct_of_hf_max).all()
+
+
+def test_generate_compiles_only_the_buckets_its_steps_meet(monkeypatch, capsys):
+    # A cold `generate --engine compiled` once compiled every bucket's graph (24 of them, a
+    # quarter of an hour on 2 cores) before its first token; a one-off run builds the engine
+    # without the warm-up, so its steps compile the one or two buckets they meet.
+    from miniinfer import engines
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_make_engine(name, lm, **options):
+        built.append((name, options))
+        raise Stop
+
+    monkeypatch.setattr(engines, "make_engine", fake_make_engine)
+    with pytest.raises(Stop):
+        main(["generate", "--model", "tiny", "--engine", "compiled", "--prompt", "Hello",
+              "--max-new-tokens", "2"])
+    with pytest.raises(Stop):
+        main(["generate", "--model", "tiny", "--engine", "continuous", "--prompt", "Hello",
+              "--max-new-tokens", "2"])
+    assert built[0][0] == "compiled" and built[0][1]["warm_up"] is False
+    assert "warm_up" not in built[1][1]  # engines that compile nothing take no such option

@@ -5,9 +5,10 @@ Nothing the engine does changes: the scheduler, the sampling, the stop rules and
 are chapter 08's. What changes is the runner's forward (:mod:`miniinfer.runner.compiled`):
 chapter 06's direct forward under ``torch.compile`` with inductor, the weights frozen into the
 graph and repacked for its GEMM kernels, RMSNorm, RoPE and SiLU-times-up fused, attention
-reading K/V from the pool's blocks in place, and one graph per token-count bucket, all compiled
-when the engine is built (``warm_up=True``: no request waits on a compile) and cached on disk
-for the next process. ``serve --engine compiled`` serves over HTTP on it; ``prefix-cache`` runs
+reading K/V from the pool's blocks in place, and one graph per token-count bucket, cached on
+disk for the next process. A server or a benchmark compiles every bucket when the engine is
+built (``warm_up=True``: no request or timed step waits on a compile); a one-off run
+(``warm_up=False``, the ``generate`` command's) compiles a bucket the first time a step needs it. ``serve --engine compiled`` serves over HTTP on it; ``prefix-cache`` runs
 on it with ``forward="compiled"``.
 """
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # imported when a forward is built: loading inductor costs se
 class CompiledEngine(ContinuousEngine):
     name = "compiled"
     summary = "continuous batching on the direct forward compiled by torch.compile (inductor)"
+    compiles_ahead = True  # builds every bucket's graph before serving, unless warm_up=False
 
     def __init__(self, lm: LoadedModel, compile_options: CompileOptions | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
