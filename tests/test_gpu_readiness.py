@@ -373,6 +373,41 @@ def test_kernel_compiles_for_the_gpu(triton_cache, arch, layout, dtype, max_seql
     assert f"sm_{arch}" in kernel.asm["ptx"]
 
 
+SPLIT_KERNEL = getattr(triton_attention, "_paged_decode_split_kernel", None)
+
+
+@compiled_natively
+@pytest.mark.parametrize("arch,layout,dtype", [(90, lay, d) for lay in LAYOUTS for d in DTYPES]
+                         + [(80, "qwen2.5-7b", d) for d in DTYPES])
+def test_split_decode_kernel_compiles_for_the_gpu(triton_cache, arch, layout, dtype,
+                                                  monkeypatch):
+    # Flash-decoding's kernel, with the arguments split_decode_attention launches it with
+    # (captured from a call whose launch is replaced), compiled for the GPU here.
+    heads, kv_heads, head_dim = LAYOUTS[layout]
+    launched = {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launched.update(args=args, constants=constants)
+
+    monkeypatch.setattr(triton_attention, "_paged_decode_split_kernel", Capture())
+    monkeypatch.setattr(triton_attention, "combine_splits", lambda a, m, s: a.sum(2))
+    q = torch.zeros(2, heads, head_dim, dtype=DTYPES[dtype])
+    k_cache = torch.zeros(64, DEFAULT_BLOCK_SIZE, kv_heads, head_dim, dtype=DTYPES[dtype])
+    triton_attention.split_decode_attention(
+        q, k_cache, k_cache.clone(), torch.zeros(2, 32, dtype=torch.int32),
+        torch.tensor([300, 17], dtype=torch.int32), 0.125, splits=4)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(SPLIT_KERNEL.signature, SPLIT_KERNEL.params, backend)
+    bound, spec, options = binder(*launched["args"], **launched["constants"])
+    options, signature, constants, attrs = SPLIT_KERNEL._pack_args(
+        backend, launched["constants"], bound, spec, options)
+    kernel = triton.compile(ASTSource(SPLIT_KERNEL, signature, constants, attrs), target=target,
+                            options=options.__dict__)
+    assert kernel.asm["cubin"] and f"sm_{arch}" in kernel.asm["ptx"]
+
+
 @compiled_natively
 def test_staged_metadata_compiles_one_variant():
     # Chapter 08 passes tables, lens and cu_seqlens as slices of one staged buffer at offsets

@@ -329,3 +329,37 @@ def test_kernel_bandwidth_counts_the_cache_bytes_and_rotates_past_the_l2(monkeyp
                                              in zip(kv, df.kernel_us, strict=True)])
     assert df.pct_of_copy.tolist() == pytest.approx((100 * df.gbs / 10.0).tolist())
     assert set(df.backend) == {"torch"}
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("shape", [(16, 3, 64, torch.float32), (16, 7, 64, torch.bfloat16),
+                                   (32, 4, 128, torch.float32)])
+def test_triton_split_decode_equals_the_reference(shape, splits):
+    """Flash-decoding (each context cut into splits, merged afterwards) gives the reference's
+    decode output, with contexts shorter than one split (empty splits weigh nothing), ragged
+    contexts, NaN in every slot never written, and a non-default scale."""
+    if not triton_attention.INTERPRETED and DEVICE.type != "cuda":
+        pytest.skip("needs TRITON_INTERPRET=1 at import (see test_triton_cases_in_subprocess)")
+    block_size, group, head_dim, dtype = shape
+    context_lens = [1, 17, 100, 300]  # 1 block to 19: every split count leaves some empty
+    case = make_case(splits, context_lens, [1] * 4, block_size, group, head_dim, dtype, 0.3)
+    q = case.q
+    caches = (case.k_cache, case.v_cache)
+    out = triton_attention.split_decode_attention(q, *caches, case.block_tables,
+                                                  case.context_lens, case.scale, splits)
+    reference = BACKENDS["torch"].decode(q, *caches, case.block_tables, case.context_lens,
+                                         case.scale)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, reference, shape[3])
+
+
+def test_triton_decode_splits_only_where_the_gpu_would_idle():
+    if triton_attention.triton is None:
+        pytest.skip("triton is not installed")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    # One request of a 7B layout (4 kv heads) over 4k tokens (256 blocks of 16): split.
+    assert triton_attention.decode_splits(1, 4, 256, cuda) > 1
+    # A batch that fills the GPU, or a context of a few blocks: one program each, as before.
+    assert triton_attention.decode_splits(128, 4, 256, cuda) == 1
+    assert triton_attention.decode_splits(1, 4, 4, cuda) == 1
+    assert triton_attention.decode_splits(1, 4, 256, cpu) == 1

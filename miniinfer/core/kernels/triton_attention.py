@@ -9,6 +9,11 @@ one token per request, where the tile holds the whole group and the grid is one 
 an online softmax: a running max and running sum per row, and an fp32 accumulator rescaled
 whenever the max grows, so the context never has to fit in one tile.
 
+A decode step of few requests gives the GPU few programs (requests x kv heads), each walking a
+whole long context alone, so most multiprocessors idle: there a second kernel cuts each context
+into splits, one program per (request, kv head, split), and merges the splits' softmaxes
+afterwards (flash-decoding; :func:`decode_splits` decides from shapes alone).
+
 Layouts and the block table padding convention are those of :mod:`.reference`.
 
 Importing this module never fails: without Triton, :func:`unavailable_reason` says why. On a
@@ -134,6 +139,65 @@ if triton is not None:
         do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
                                         "cu_seqlens_q_ptr"])
 
+    @triton.jit
+    def _paged_decode_split_kernel(
+        q_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, context_lens_ptr, scale,
+        stride_q_token, stride_q_head,
+        stride_cache_block, stride_cache_slot, stride_cache_head,
+        stride_block_tables,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    ):
+        # Flash-decoding: one decode token per request, its context cut into splits of
+        # BLOCKS_PER_SPLIT blocks, one program per (request, kv head, split). Each program
+        # keeps the same online softmax over its part of the context and writes its running
+        # max, running sum and unnormalised output; combine_splits merges them. With few
+        # requests a long context then spreads over the GPU's multiprocessors instead of one.
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        context_len = tl.load(context_lens_ptr + seq)
+        rows = tl.arange(0, ROWS)
+        head = kv_head * GROUP + rows
+        row_valid = rows < GROUP
+        dims = tl.arange(0, HEAD_DIM_PADDED)
+        dim_valid = dims < HEAD_DIM
+        part = ((seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split) * ROWS + rows
+        q = tl.load(q_ptr + seq * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        running_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PADDED], dtype=tl.float32)
+        slots = tl.arange(0, BLOCK_SIZE)
+        head_offset = kv_head * stride_cache_head
+        first = split * BLOCKS_PER_SPLIT
+        # A split past the context's last block keeps max -inf and sum 0: it weighs nothing.
+        last = tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(context_len, BLOCK_SIZE))
+        for block_index in range(first, last):
+            block = tl.load(block_tables_ptr + seq * stride_block_tables + block_index)
+            block_offset = block.to(tl.int64) * stride_cache_block + head_offset
+            positions = block_index * BLOCK_SIZE + slots
+            in_context = positions < context_len
+            k = tl.load(k_cache_ptr + block_offset + slots[None, :] * stride_cache_slot
+                        + dims[:, None],
+                        mask=in_context[None, :] & dim_valid[:, None], other=0.0)
+            scores = _dot(q, k, DOT_PRECISION, DOT_UPCAST) * scale
+            scores = tl.where(in_context[None, :], scores, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+            rescale = tl.exp(running_max - new_max)
+            probs = tl.exp(scores - new_max[:, None])
+            running_sum = running_sum * rescale + tl.sum(probs, axis=1)
+            v = tl.load(v_cache_ptr + block_offset + slots[:, None] * stride_cache_slot
+                        + dims[None, :],
+                        mask=in_context[:, None] & dim_valid[None, :], other=0.0)
+            acc = acc * rescale[:, None] + _dot(probs.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+            running_max = new_max
+        tl.store(part_max_ptr + part, running_max)
+        tl.store(part_sum_ptr + part, running_sum)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc)
+
     # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
     INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
 else:
@@ -170,11 +234,72 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """Same contract as :func:`.reference.paged_varlen_attention`."""
     if reason := unavailable_reason(q.device, k_cache.shape[1]):
         raise RuntimeError(reason)
+    if max_seqlen_q == 1 and len(context_lens) == q.shape[0]:
+        splits = decode_splits(len(context_lens), k_cache.shape[2], block_tables.shape[1],
+                               q.device)
+        if splits > 1:
+            return split_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
+                                          scale, splits)
     out = torch.empty_like(q)
     grid, args, constants = launch_config(q, out, k_cache, v_cache, cu_seqlens_q, block_tables,
                                           context_lens, scale, max_seqlen_q)
     _paged_attention_kernel[grid](*args, **constants)
     return out
+
+
+# Flash-decoding: programs to aim for (two waves of an H100's or H200's 132 multiprocessors),
+# and the fewest blocks a split walks (below that, writing and merging partials costs more than
+# the parallelism buys).
+_TARGET_PROGRAMS = 264
+_MIN_BLOCKS_PER_SPLIT = 4
+
+
+def decode_splits(num_requests: int, num_kv_heads: int, table_width: int,
+                  device: torch.device) -> int:
+    """How many splits a decode step's contexts are cut into: 1 (no split) unless requests x kv
+    heads leave the GPU's multiprocessors idle and the block tables are long enough. Decided
+    from shapes only (the table width bounds every context), so a CUDA graph can capture it."""
+    if device.type != "cuda":
+        return 1  # the interpreter gains nothing from splits; tests call split_decode_attention
+    programs = num_requests * num_kv_heads
+    return max(1, min(triton.cdiv(_TARGET_PROGRAMS, programs),
+                      table_width // _MIN_BLOCKS_PER_SPLIT))
+
+
+def split_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           splits: int) -> torch.Tensor:
+    """Decode attention (one token per request, ``q`` [requests, heads, dim]) with each
+    context cut into ``splits`` parts attended by programs of their own, then merged."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    rows = max(_MIN_DOT_DIM, triton.next_power_of_2(group))
+    padded = max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim))
+    blocks_per_split = triton.cdiv(block_tables.shape[1], splits)
+    parts = (len(context_lens), num_kv_heads, splits, rows)
+    part_acc = torch.empty(*parts, padded, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(parts, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty(parts, dtype=torch.float32, device=q.device)
+    _paged_decode_split_kernel[(len(context_lens), num_kv_heads, splits)](
+        q, part_acc, part_max, part_sum, k_cache, v_cache, block_tables, context_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded, GROUP=group, BLOCK_SIZE=block_size,
+        ROWS=rows, BLOCKS_PER_SPLIT=blocks_per_split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        DOT_UPCAST=INTERPRETED and q.dtype == torch.bfloat16)
+    out = combine_splits(part_acc, part_max, part_sum)[:, :, :group, :head_dim]
+    return out.reshape(q.shape).to(q.dtype)
+
+
+def combine_splits(part_acc: torch.Tensor, part_max: torch.Tensor,
+                   part_sum: torch.Tensor) -> torch.Tensor:
+    """Merge the splits' online softmaxes: each split's output and sum rescaled by
+    exp(its max - the global max); a split that saw no position (max -inf) weighs 0."""
+    global_max = part_max.amax(dim=2, keepdim=True)
+    weight = torch.exp(part_max - global_max).nan_to_num(0.0)  # -inf - -inf: an empty row
+    total = (part_sum * weight).sum(dim=2)
+    return (part_acc * weight[..., None]).sum(dim=2) / total[..., None]
 
 
 def launch_config(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor,
