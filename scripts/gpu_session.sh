@@ -22,6 +22,9 @@ budget=$1; shift
 deadline=$(( $(date +%s) + budget ))
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 MINIINFER_CACHE=$PWD/.gpu_cache
+# A session records the book's GPU tables (data/results/), not a reader's (data/yours/); the
+# tree it runs in is a copy of a clean commit (the session's caller checks that, not git here).
+export MINIINFER_RECORD_FOR_BOOK=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || echo "wheels did not install"
