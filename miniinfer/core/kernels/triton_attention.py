@@ -139,6 +139,14 @@ if triton is not None:
         do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr",
                                         "cu_seqlens_q_ptr"])
 
+    # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
+    INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+else:
+    INTERPRETED = False
+
+
+if triton is not None:
+
     @triton.jit
     def _paged_decode_split_kernel(
         q_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, k_cache_ptr, v_cache_ptr,
@@ -197,11 +205,6 @@ if triton is not None:
         tl.store(part_max_ptr + part, running_max)
         tl.store(part_sum_ptr + part, running_sum)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PADDED + dims[None, :], acc)
-
-    # Whether @triton.jit built the interpreted kernel (TRITON_INTERPRET=1 at import).
-    INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
-else:
-    INTERPRETED = False
 
 
 def unavailable_reason(device: torch.device, block_size: int | None = None) -> str | None:
