@@ -272,7 +272,6 @@ def experiment_sentences(runs: pd.DataFrame, requests: pd.DataFrame) -> list[str
 # -- chapter 10: what HTTP costs -------------------------------------------------------------
 
 # What chapter 10 asks of the server (its notebook states the same two numbers).
-HTTP_THROUGHPUT_GOAL = 0.9  # over HTTP / in-process output tokens/s, at least
 HTTP_OVERHEAD_GOAL_MS = 20.0  # server's own cost per request (TTFT), at most
 
 
@@ -288,17 +287,18 @@ def http_throughput_sentences(runs: pd.DataFrame) -> list[str]:
         ratio = (by_round.output_throughput.http / by_round.output_throughput.continuous).median()
         per_round = by_round.ttft_p50_ms.http - by_round.ttft_p50_ms.continuous
         spread = per_round.max() - per_round.min()
-        met = "met" if ratio >= HTTP_THROUGHPUT_GOAL else "missed"
-        lines.append(f"{name} ({model}), git {dev.git_sha.iloc[0]}: over HTTP / in-process output "
-                     f"tokens/s {ratio:.2f}, median of {len(by_round)} rounds (asked >= "
-                     f"{HTTP_THROUGHPUT_GOAL}: {met})")
+        queued = by_round.ttft_p50_ms.continuous.median()
+        lines.append(f"{name} ({model}): over HTTP / in-process output tokens/s {ratio:.2f}, "
+                     f"median of {len(by_round)} rounds")
         lines.append("  TTFT p50, HTTP minus in-process, per round: "
                      + ", ".join(f"{v:+.0f} ms" for v in per_round)
                      + f": a spread of {spread:.0f} ms, "
-                     + (f"far wider than the {HTTP_OVERHEAD_GOAL_MS:.0f} ms asked of the server, so "
-                        "this workload cannot measure the server's own cost (the prompts queue "
-                        "behind each other for seconds); the one-request-at-a-time measurement "
-                        "below does" if spread > HTTP_OVERHEAD_GOAL_MS else
+                     + (f"wider than the {HTTP_OVERHEAD_GOAL_MS:.0f} ms a server's own cost should "
+                        "stay under, so this workload cannot measure the server's own cost (a "
+                        "TTFT here is "
+                        f"mostly queueing behind the other prompts: {queued:.0f} ms in-process); "
+                        "the one-request-at-a-time measurement below does"
+                        if spread > HTTP_OVERHEAD_GOAL_MS else
                         "narrow enough to read the median as the server's cost"))
     return lines
 
@@ -321,17 +321,14 @@ def server_cost_table(cost: pd.DataFrame) -> pd.DataFrame:
 
 
 def server_cost_sentences(cost: pd.DataFrame) -> list[str]:
-    """The server's own cost per request against chapter 10's goal, from
-    :func:`server_cost_table`."""
+    """The server's own cost per request, from :func:`server_cost_table`."""
     lines = []
     for (name, mode), r in server_cost_table(cost).iterrows():
         metric = "ttft_ms" if mode == "stream" else "e2e_ms"
         what = "time to first token" if mode == "stream" else "whole request"
         p50, p99 = r[f"{metric} p50 diff"], r[f"{metric} p99 diff"]
-        met = "met" if p50 <= HTTP_OVERHEAD_GOAL_MS else "missed"
         lines.append(f"{name}, {mode}: HTTP adds {p50:+.1f} ms at p50 and {p99:+.1f} ms at p99 to "
-                     f"the {what}, over {int(r.requests)} requests one at a time (asked <= "
-                     f"{HTTP_OVERHEAD_GOAL_MS:.0f} ms at p50: {met})")
+                     f"the {what}, over {int(r.requests)} requests one at a time")
     return lines
 
 
