@@ -43,17 +43,36 @@ def _is_sweep(path) -> bool:
 def is_reference(path: Path, chapter: str) -> bool:
     """Whether a results file is one of the chapter's reference recordings (its name starts
     with the reference CPU's or GPU's slug: ``<slug>.csv``, ``<slug>-runs.csv``, ...)."""
-    slugs = [reference_device(chapter, kind) for kind in REFERENCE_DEVICES]
-    name = path.name
-    return any(name.startswith((f"{slug}.", f"{slug}-")) for slug in slugs)
+    return any(_of_device(path, reference_device(chapter, kind)) for kind in REFERENCE_DEVICES)
 
 
 def reference_files(chapter: str, pattern: str = "*.csv", every_device: bool = False
                     ) -> list[Path]:
     """The chapter's results files matching ``pattern`` (``"*-runs.csv"``, ``"kernel/*.csv"``):
-    the reference recordings only, unless ``every_device`` (the overview's other machines)."""
+    the reference recordings only, unless ``every_device`` (the overview's other machines).
+    Where the reference device of a kind (CPU, GPU) has no such file, one other device of that
+    kind that has it stands in (chapters 08-09 and the decode kernel were recorded on an H100
+    only), so a chapter shows one CPU and one GPU."""
     files = sorted((RESULTS / f"ch{chapter}").glob(pattern))
-    return files if every_device else [f for f in files if is_reference(f, chapter)]
+    if every_device:
+        return files
+    chosen = []
+    for kind in REFERENCE_DEVICES:
+        own = [f for f in files if is_reference(f, chapter) and f.name.startswith(f"{kind}-")]
+        others = [slug for slug in sorted(_known_slugs()) if slug.startswith(f"{kind}-")
+                  and any(_of_device(f, slug) for f in files)]
+        chosen += own or [f for f in files if others and _of_device(f, others[0])]
+    return sorted(chosen)
+
+
+def _of_device(path: Path, slug: str) -> bool:
+    return path.name.startswith((f"{slug}.", f"{slug}-"))
+
+
+def _known_slugs() -> set[str]:
+    """Every device the device table knows (a results file's name starts with one)."""
+    table = device_table()
+    return set(table.slug) if not table.empty else set()
 
 
 def recorded_results(chapter: str, every_device: bool = False) -> pd.DataFrame:
