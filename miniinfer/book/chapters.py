@@ -129,6 +129,11 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             stages=("tensor-parallel",),
             modules=("miniinfer.runner.tensor_parallel", "miniinfer.runner.tensor_parallel_costs"),
             recording="parallel", engines=("hf", "continuous", "tensor-parallel")),
+    Chapter("13", "13_quantized_weights",
+            "Weights as they ship: int4 and int8, compiled, against llama.cpp",
+            stages=("quantized",),
+            modules=("miniinfer.runner.quantized", "miniinfer.bench.quality"),
+            engines=("compiled", "quantized:int8", "quantized:int4")),
 )}
 
 

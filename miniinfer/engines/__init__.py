@@ -15,13 +15,14 @@ from .paged_loop import PagedLoopEngine
 from .paged_prealloc import PagedPreallocEngine
 from .paged_vectorized import PagedVectorizedEngine
 from .prefix_cache import PrefixCacheEngine
+from .quantized import QuantizedEngine
 from .tensor_parallel import TensorParallelEngine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
                 PagedAttentionEngine, AsyncEngine, ContinuousEngine, PrefixCacheEngine,
-                CompiledEngine, TensorParallelEngine)
+                CompiledEngine, TensorParallelEngine, QuantizedEngine)
 }
 
 
