@@ -1,36 +1,24 @@
 """Chapter 11's recording: our engine before and after ``torch.compile``, beside vLLM.
 
-What the chapter shows is recorded by default: the offline benchmark, the ``target`` workload
-in-process and over HTTP. The probes behind its lab notes (bf16, the ablation, the profiles,
-the step kernels, the budget sweep) take over an hour on 2 cores and run only with
-``MINIINFER_CH11_PROBES=1``. Each table's rows come from one run, so that its ratios compare
+By default, what the chapter shows, each table's rows from one run so that its ratios compare
 like with like:
 
 - the offline benchmark (``<device>.csv``): hf, chapter 06's ``paged-attention`` (our best
-  eager stage), the ``compiled`` stage and, when installed, the peer ``vllm``, at batch 1 and 8;
-  the compiled forward's compile time per graph goes to ``<device>-compile.csv``;
-- the same benchmark in bf16 (``<device>-bf16.csv``): hf, ``compiled`` and vLLM with the model's
-  weights and activations in bfloat16, where the CPU computes in it; and the ``target``
-  workload below in bf16 too, ``compiled`` and vLLM, in-process and over HTTP
-  (``bf16/<device>-{runs,requests,steps,http}.csv``);
-- the ablation (``<device>-ablation.csv``): the same benchmark with chapter 06's engine on its
-  eager forward and on the compiled one with its fixes added one at a time;
-- chapter 08's workloads served in-process (``<device>-{runs,requests,steps}.csv``): the
-  ``target`` experiment with ``compiled`` and vLLM's offline ``LLM.generate``, in :data:`SERVED_REPEATS` rounds of the
-  three in turn; the ``budget`` experiment, ``compiled`` and vLLM in turn at each of chapter
-  08's token budgets, once (the throughput-latency curve);
-- the target workload over HTTP (``<device>-http.csv``), measured at the client as chapter
-  10 does: ``serve --engine compiled`` and ``vllm serve``, one row per server and round;
-- the target workload under torch.profiler (``<device>-profile.csv``), ``compiled`` and vLLM:
-  where each engine's time goes, op by op;
-- the compiled stage's steps of four shapes, kernel by kernel (``<device>-kernels.csv``,
-  :mod:`.step_kernels`): decodes of 1, 8 and 32 requests, and a 512-token mixed step; with
-  the peer, the same four on vLLM, split the same way; three rounds, the two in turn, each
-  scenario's steps timed again with no profiler (the profiler's cost is not the same on both).
+  eager stage), ``compiled`` and, when installed, the peer ``vllm``, at batch 1 and 8; the
+  compile time per graph goes to ``<device>-compile.csv``;
+- chapter 08's ``target`` workload in-process (``<device>-{runs,requests,steps}.csv``):
+  ``compiled`` and vLLM's ``LLM.generate``, :data:`SERVED_REPEATS` rounds of the two in turn;
+- the same workload over HTTP (``<device>-http.csv``), measured at the client as chapter 10
+  does: ``serve --engine compiled`` and ``vllm serve``, one row per server and round.
 
-On a GPU it records nothing for now (see :func:`run_chapter11`).
+The probes behind its lab notes take over an hour on 2 cores and run only with
+``MINIINFER_CH11_PROBES=1``: the budget sweep, the bf16 benchmark and served rows
+(``-bf16.csv``, ``bf16/``), both engines under torch.profiler (``-profile.csv``), the steps
+kernel by kernel (``-kernels.csv``, :mod:`.step_kernels`) and the ablation (``-ablation.csv``:
+chapter 06's engine with the compiled forward's fixes added one at a time).
 
-Without the peer (``make peers``) the chapter records our rows and says so.
+On a GPU it records nothing for now (see :func:`run_chapter11`). Without the peer (``make
+peers``) the chapter records our rows and says so.
 """
 
 from __future__ import annotations
