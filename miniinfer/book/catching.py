@@ -59,6 +59,7 @@ SERVED_REPEATS = 3
 SERVER_START_S = 1800.0
 # In a profile, the code inductor generated: its fused loops and, where autotuned, GEMM templates.
 COMPILED_GRAPHS = "compiled graphs (inductor's generated code)"
+PROBES_ENV = "MINIINFER_CH11_PROBES"  # set to 1: the probes too (the module's docstring)
 
 
 def peer_available() -> bool:
@@ -69,9 +70,6 @@ def peer_available() -> bool:
         print(f"chapter 11 records our rows only: {missing}")
         return False
     return True
-
-
-PROBES_ENV = "MINIINFER_CH11_PROBES"
 
 
 def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
