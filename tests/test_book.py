@@ -436,3 +436,33 @@ def test_the_commit_pattern_finds_what_lab_notes_write():
     assert COMMIT.search("recorded at git 4b9aa69 on the Zen 3")
     assert COMMIT.search("the sweep measures every length first (since `8e8f58b`)")
     assert not COMMIT.search("doi.org/10.1145/1498765.1498785")
+
+
+def test_every_chapter_has_a_drawn_concept_figure_and_solutions_to_its_exercises():
+    # A concept figure is drawn (a cell tagged concept-figure with an image), not a result plot;
+    # every exercise has its solution, collapsed (a cell tagged solution after the exercises).
+    for chapter in CHAPTERS.values():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        tagged = {tag: [c for c in cells if tag in c.get("metadata", {}).get("tags", [])]
+                  for tag in ("concept-figure", "solution")}
+        figures = [c for c in tagged["concept-figure"] if c["cell_type"] == "code" and any(
+            "image/png" in o.get("data", {}) for o in c.get("outputs", []))]
+        assert figures, f"{chapter.notebook}: no drawn concept figure (a cell tagged concept-figure)"
+        exercises = next(i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+                         and "".join(c["source"]).lstrip().startswith("## Exercises"))
+        solutions = [c for c in tagged["solution"] if cells.index(c) > exercises]
+        assert solutions, f"{chapter.notebook}: its exercises have no solutions"
+        asked = len(re.findall(r"^\d+\. ", "".join(cells[exercises]["source"]), re.M))
+        answered = sum(len(re.findall(r"^\d+\. ", "".join(c["source"]), re.M)) for c in solutions
+                       if c["cell_type"] == "markdown")
+        assert answered >= asked, f"{chapter.notebook}: {asked} exercises, {answered} solutions"
+
+
+def test_no_rendered_text_says_nan():
+    # A generated sentence from an empty table once printed "between nan% and nan% of hf".
+    for chapter in CHAPTERS.values():
+        for cell in json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]:
+            texts = ["".join(cell["source"])] if cell["cell_type"] == "markdown" else [
+                "".join(o.get("text", "")) for o in cell.get("outputs", [])]
+            for text in texts:
+                assert not re.search(r"\bnan ?%", text, re.I), (chapter.notebook, text[:200])
