@@ -410,6 +410,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           arrival_window_ms=args.arrival_window_ms, device=args.device,
                           dtype=args.dtype, strict_fields=args.strict_fields,
                           tensor_parallel=args.tensor_parallel,
+                          speculative=args.speculative,
+                          num_speculative_tokens=args.num_speculative_tokens,
                           **({} if args.max_request_bytes is None else
                              {"max_request_bytes": args.max_request_bytes}))
     # All before the model loads: a busy port must not cost a load, and then a traceback.
@@ -582,6 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="larger request bodies get HTTP 413 before they are read "
                             "(default 2 MiB)")
+    serve.add_argument("--speculative", choices=("ngram",), default=None,
+                       help="speculative decoding (chapter 14): ngram drafts by prompt lookup "
+                            "and verifies them in the same step; the tokens do not change")
+    serve.add_argument("--num-speculative-tokens", type=int, default=4,
+                       help="with --speculative: the most draft tokens a request gets a step")
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)

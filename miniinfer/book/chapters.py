@@ -24,6 +24,8 @@ RECORDINGS = {
                 "over HTTP, profiled) and the budget sweep, beside vLLM; bf16 rows where the "
                 "CPU computes in it; steps profiled kernel by kernel",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
+    "speculative": "input-grounded and open-ended chat prompts at batch 1 and served, beside "
+                   "transformers' prompt lookup",
 }
 
 
@@ -134,6 +136,12 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             stages=("quantized",),
             modules=("miniinfer.runner.quantized", "miniinfer.bench.quality"),
             engines=("compiled", "quantized:int8", "quantized:int4")),
+    Chapter("14", "14_speculative_decoding",
+            "Speculative decoding: several tokens per step, the same tokens out",
+            stages=("speculative",),
+            modules=("miniinfer.core.speculative", "miniinfer.book.speculation"),
+            recording="speculative",
+            engines=("prefix-cache", "speculative", "speculative:fixed", "hf")),
 )}
 
 

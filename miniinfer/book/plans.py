@@ -272,6 +272,25 @@ def chapter12_plan(device: torch.device) -> ChapterPlan:
                           f"gloo all-reduces, N = 2 and 3")
 
 
+def chapter14_plan(device: torch.device) -> ChapterPlan:
+    """book.speculation: per workload, each prompt alone through every system (a warm-up round
+    and the repeats; speculation counted as plain decoding, an upper bound), then the served
+    runs (every prompt several times at once)."""
+    from .speculation import SpeculationConfig
+
+    config, costs = SpeculationConfig(), device_costs(device)
+    prompt_len = 400  # the input-grounded prompts carry a paragraph or more of the text
+    alone = 2 * config.num_prompts * (config.repeat + 1) * len(config.systems) * costs.generate(
+        "continuous", 1, prompt_len, config.new_tokens)
+    batch = config.num_prompts * config.served_copies
+    served = 2 * 3 * (batch * config.new_tokens / costs.serving_tok_s["continuous"]
+                      + batch * prompt_len * costs.prefill_token_s + costs.serving_run_s)
+    return ChapterPlan("smollm2-135m", "float32", config.systems, (1, batch),
+                       f"2 workloads x {config.num_prompts} chat prompts, {config.new_tokens} new "
+                       f"tokens, k = {config.num_draft_tokens}", config.repeat,
+                       costs.load_s + alone + served)
+
+
 def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,
                  main: str) -> ChapterPlan:
     """A serving chapter's plan: every experiment's runs; ``main`` names the one described."""
@@ -315,6 +334,7 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "server": lambda chapter, device: chapter10_plan(device),
     "catching": lambda chapter, device: chapter11_plan(device),
     "parallel": lambda chapter, device: chapter12_plan(device),
+    "speculative": lambda chapter, device: chapter14_plan(device),
 }
 
 

@@ -346,6 +346,24 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Sampled tokens [m] for rows that all have a temperature > 0."""
+    return sample_from_probs(_row_probs(logits, requests), requests)
+
+
+def sampling_probs(logits: torch.Tensor, requests: Sequence[Request],
+                   eos_token_id: int | None) -> torch.Tensor:
+    """The distributions [k, V] ``sample_batch`` draws rows with a temperature > 0 from: bias,
+    stop masks and penalties, then temperature, min-p, top-k and top-p (a speculative step's
+    rejection sampling needs the target's probabilities, not only a draw from them)."""
+    params = [r.params for r in requests]
+    logits = logits.float().clone()
+    _apply_logit_bias(logits, params)
+    _mask_stops_before_min_tokens(logits, requests, eos_token_id)
+    _apply_penalties(logits, requests)
+    return _row_probs(logits, requests)
+
+
+def _row_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Each row's distribution after temperature, min-p, top-k and top-p."""
     params = [r.params for r in requests]
     device, vocab_size = logits.device, logits.shape[-1]
     neg_inf = float("-inf")
@@ -386,7 +404,13 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=device).scatter(
             -1, order, drop_sorted)
         logits = logits.masked_fill(drop, neg_inf)
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """One token per row of ``probs`` [m, V] (unnormalised rows are fine), by the exponential
+    race of ``sample``; a seeded row draws from its request's own generator."""
+    device, vocab_size = probs.device, probs.shape[-1]
     noise = torch.empty_like(probs)
     shared = [row for row, r in enumerate(requests) if r.params.seed is None
               or r.generator is None]

@@ -92,9 +92,13 @@ class Request:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     penalty_state: PenaltyState | None = None
+    # Tokens proposed for this step beyond the request's own (chapter 14's speculative step):
+    # fed after its last token and verified in the same forward; never part of num_tokens.
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
+        """Its committed tokens: prompt and output (drafts are not counted)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
@@ -102,11 +106,15 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens ``start:end`` of prompt + output, without building the concatenation."""
+        """Tokens ``start:end`` of prompt + output (+ drafts, past ``num_tokens``), without
+        building the concatenation."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+        ids = self.prompt_ids[start:] + self.output_ids[max(start - n, 0) : end - n]
+        if end > self.num_tokens:
+            ids += self.draft_ids[max(start - self.num_tokens, 0) : end - self.num_tokens]
+        return ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +199,10 @@ class Scheduler:
                 i += 1
                 continue
             while not self._try_take(request, n, admit=False):
+                if request.draft_ids:  # drafts are the first thing to give up, not a request
+                    n -= len(request.draft_ids)
+                    request.draft_ids.clear()
+                    continue
                 # Only requests after i can be victims (the newest is last), so every request
                 # already scheduled this step keeps its blocks.
                 victim = self.running[-1]
@@ -219,7 +231,9 @@ class Scheduler:
             budget -= n
         # The forward runs decodes through the decode kernel and chunks through the varlen one.
         scheduled.sort(key=lambda item: item[1] != 1)
-        return ScheduledBatch(scheduled, preempted)
+        # A request fed drafts is scored at its last token and at every draft (chapter 14).
+        num_scored = {r.request_id: len(r.draft_ids) + 1 for r, _ in scheduled if r.draft_ids}
+        return ScheduledBatch(scheduled, preempted, num_scored)
 
     def _admit(self, request: Request, budget: int, alone: bool) -> int:
         """Blocks for a waiting request's first tokens; how many it feeds this step (0: it does
@@ -231,6 +245,9 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int, alone: bool) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
+        if request.draft_ids:  # a speculative step: its drafts too, as many as the budget takes
+            del request.draft_ids[max(budget - remaining, 0):]
+            remaining += len(request.draft_ids)
         if remaining <= budget or (alone and not self.config.chunked_prefill):
             return remaining
         return budget if self.config.chunked_prefill else 0
@@ -253,6 +270,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
+        request.draft_ids.clear()
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

@@ -16,13 +16,14 @@ from .paged_prealloc import PagedPreallocEngine
 from .paged_vectorized import PagedVectorizedEngine
 from .prefix_cache import PrefixCacheEngine
 from .quantized import QuantizedEngine
+from .speculative import SpeculativeEngine
 from .tensor_parallel import TensorParallelEngine
 
 ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
                 PagedAttentionEngine, AsyncEngine, ContinuousEngine, PrefixCacheEngine,
-                CompiledEngine, TensorParallelEngine, QuantizedEngine)
+                CompiledEngine, TensorParallelEngine, QuantizedEngine, SpeculativeEngine)
 }
 
 

@@ -43,7 +43,14 @@ from ..core.kv_cache import (
 from ..core.models import LoadedModel
 from ..core.ranges import phase
 from ..core.sampling import SamplingParams, make_generator, sample_batch
-from ..core.scheduler import FinishReason, Request, RequestTimeline, Scheduler, SchedulerConfig
+from ..core.scheduler import (
+    FinishReason,
+    Request,
+    RequestTimeline,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+)
 from ..runner import ModelRunner
 from .base import Engine, GenerationResult, batch_token_times
 
@@ -154,15 +161,14 @@ class ContinuousEngine(Engine):
         request reached its last token, and retire the requests that stop."""
         start = time.perf_counter()
         with phase("schedule"):
-            batch = self.scheduler.schedule()
-        sampled: list[Request] = []
-        tokens: list[int] = []
+            batch = self.schedule()
+        kept: list[tuple[Request, list[int]]] = []
         if batch.scheduled:
             try:
                 with torch.inference_mode(), self.runner.paged_attention():
-                    logits, sampled = self.runner.execute(batch)
+                    logits, rows = self.runner.execute(batch)
                     with phase("sample"):
-                        tokens = sample_next_tokens(logits, sampled, self.lm.eos_token_id)
+                        kept = self.sample(logits, rows)
             except BaseException:
                 # The cache may hold half a step: recompute these requests later, drop none.
                 # Newest first, so the oldest ends up first in the waiting queue.
@@ -176,12 +182,12 @@ class ContinuousEngine(Engine):
         for request, n in batch.scheduled:
             request.num_computed_tokens += n
             request.timeline.steps.append((start, end))
-        for request, token in zip(sampled, tokens, strict=True):
-            self.append_token(request, token, end)
+        for request, tokens in kept:
+            self.commit(request, tokens, end)
         num_decodes = batch.num_decodes
         manager = self.kv_cache.block_manager
         return StepResult(start, end, num_decodes, batch.num_tokens - num_decodes,
-                          [r.request_id for r in batch.preempted], sampled,
+                          [r.request_id for r in batch.preempted], [r for r, _ in kept],
                           manager.num_blocks - manager.num_free_blocks, manager.num_cached_blocks)
 
     def abort(self, request_id: RequestId) -> bool:
@@ -254,6 +260,22 @@ class ContinuousEngine(Engine):
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request_id
+
+    def schedule(self) -> ScheduledBatch:
+        """Who runs in this step, and how much (the scheduler's decision)."""
+        return self.scheduler.schedule()
+
+    def sample(self, logits: torch.Tensor, rows: list[Request]) -> list[tuple[Request, list[int]]]:
+        """The new tokens of each request the step scored: one row each, one token each."""
+        tokens = sample_next_tokens(logits, rows, self.lm.eos_token_id)
+        return [(request, [token]) for request, token in zip(rows, tokens, strict=True)]
+
+    def commit(self, request: Request, tokens: list[int], now: float) -> None:
+        """Append a request's new tokens in order, until one of them finishes it."""
+        for token in tokens:
+            if request.finished:
+                break
+            self.append_token(request, token, now)
 
     def append_token(self, request: Request, token: int, now: float) -> None:
         request.output_ids.append(token)

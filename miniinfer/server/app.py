@@ -79,6 +79,10 @@ DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # 2 MiB: far more than any prompt the conte
 EXIT_ENGINE_DEAD = 3
 
 
+# ``serve --speculative METHOD``: the engine stage each drafting method runs on.
+SPECULATIVE_METHODS = {"ngram": "speculative"}
+
+
 @dataclass(slots=True)
 class ServerConfig:
     """``max_num_seqs``: requests running at once (the engine's); ``max_waiting``: requests
@@ -99,6 +103,10 @@ class ServerConfig:
     strict_fields: bool = False  # a field nobody defines: 400 instead of a logged warning
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get a 413
     tensor_parallel: int | None = None  # the engine's runner over N processes (chapter 12)
+    # "ngram": the engine drafts by prompt lookup and verifies k + 1 positions a step
+    # (chapter 14's speculative stage, on chapter 09's prefix-cache engine).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # the most draft tokens a request gets in one step
     # Once the engine can no longer serve, /health answers 503 for this long (a load balancer
     # takes the server out), then the server exits with EXIT_ENGINE_DEAD.
     exit_after_failure_s: float = 5.0
@@ -116,6 +124,18 @@ class ServerConfig:
                                       f"{self.arrival_window_ms}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0-65535, got {self.port}")
+        if self.speculative is not None:
+            if self.speculative not in SPECULATIVE_METHODS:
+                raise InvalidRequestError(f"speculative must be one of "
+                                          f"{', '.join(SPECULATIVE_METHODS)}, got "
+                                          f"{self.speculative!r}")
+            if self.engine not in ("continuous", "prefix-cache", "speculative"):
+                raise InvalidRequestError(f"speculative decoding runs on the prefix-cache "
+                                          f"engine; engine {self.engine!r} has none")
+            if not 0 <= self.num_speculative_tokens <= 32:
+                raise InvalidRequestError(f"num_speculative_tokens must be in 0-32, got "
+                                          f"{self.num_speculative_tokens}")
+            self.engine = SPECULATIVE_METHODS[self.speculative]
         cls, _ = resolve_engine(self.engine)
         # The server adds requests one by one and steps: the interface chapter 08 built.
         if not issubclass(cls, ContinuousEngine):
@@ -155,6 +175,8 @@ class ServerConfig:
 
     def make_engine(self, lm: LoadedModel) -> ContinuousEngine:
         runner = {} if self.tensor_parallel is None else {"tensor_parallel": self.tensor_parallel}
+        if self.speculative is not None:
+            runner["num_draft_tokens"] = self.num_speculative_tokens
         return make_engine(self.engine, lm, max_num_seqs=self.max_num_seqs,
                            max_num_batched_tokens=self.max_num_batched_tokens,
                            kv_cache_bytes=self.kv_cache_bytes, **runner)

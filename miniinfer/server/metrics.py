@@ -14,6 +14,8 @@ engine without a prefix cache never hits."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from ..core.scheduler import FinishReason, Request
 from ..engines.continuous import ContinuousEngine
@@ -80,6 +82,9 @@ class ServerMetrics:
         self.healthy = gauge("miniinfer:engine_healthy", "1 while the engine can serve; 0 "
                              "once it cannot (GET /health says why), until the server exits.")
         self.healthy.set(1)
+        stats = getattr(engine, "stats", None)
+        if stats is not None:  # a speculative engine (chapter 14)
+            r.register(_SpeculationCollector(stats, model_name))
 
     def first_token(self, request: Request) -> None:
         """A request's first token: its prompt was looked up when it was admitted."""
@@ -119,3 +124,25 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpeculationCollector(Collector):
+    """vLLM's speculative-decoding counters, read from the engine's running totals at scrape
+    time (``SpeculativeEngine.stats``): request-steps that verified a draft, draft tokens
+    proposed, draft tokens accepted. Acceptance rate = accepted / draft tokens."""
+
+    def __init__(self, stats, model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self):
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Request-steps that verified a draft.",
+                 self.stats.drafted_steps),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 self.stats.drafted),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 self.stats.accepted)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

@@ -1,0 +1,245 @@
+"""Chapter 14's recording: speculative decoding on input-grounded and open-ended work.
+
+Two workloads of chat prompts on SmolLM2-135M (real weights: acceptance depends on what the
+model writes, so no random-weight model stands in on a GPU either):
+
+- **input-grounded**: summarise, extract from, quote and edit a public-domain text shipped in
+  ``data/texts/`` (the Declaration of Independence): outputs copy their input, drafts land;
+- **open-ended**: stories, explanations, lists from a one-line request: nothing to copy.
+
+Per workload and system: decode tok/s at batch 1 (each prompt alone, greedy, a fixed number of
+new tokens; the tokens after the first step over the time after it, p50 over repeats, and the
+end-to-end rate with the prefill), acceptance rate and mean tokens per request-step (ours), and a
+served run (every prompt at once through the engine in-process): output tok/s, ITL and TPOT.
+Systems: ``prefix-cache`` (no speculation), ``speculative`` (adaptive draft lengths),
+``speculative:fixed`` (always ``k`` where the lookup finds them), and transformers'
+``generate`` with and without ``prompt_lookup_num_tokens=k`` as the peer (batch 1 only: HF's
+prompt lookup takes one sequence at a time).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+from transformers import GenerationConfig
+
+from ..core.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
+from ..core.models import LoadedModel, chat_text, dtype_name, load_model, resolve_device
+from ..core.sampling import SamplingParams
+from ..engines import make_engine
+
+TEXT = REPO_ROOT / "data" / "texts" / "declaration_of_independence.txt"
+SYSTEMS = ("prefix-cache", "speculative", "speculative:fixed", "hf", "hf-prompt-lookup")
+SERVED_SYSTEMS = ("prefix-cache", "speculative", "speculative:fixed")
+OPEN_ENDED = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five ideas for a rainy Sunday afternoon, with a sentence on each.",
+    "Write a poem about the first frost of autumn.",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    num_prompts: int = 4  # per workload
+    new_tokens: int = 64
+    repeat: int = 3
+    num_draft_tokens: int = 4  # ours and HF's prompt lookup alike
+    served_copies: int = 4  # the served run sends each prompt this many times at once
+    systems: tuple[str, ...] = SYSTEMS
+
+
+def input_grounded_tasks(text: str) -> list[str]:
+    """Requests that a good answer partly copies from ``text``."""
+    paragraphs = [p for p in text.split("\n\n") if len(p.split()) > 30]
+    first, second = paragraphs[0], paragraphs[1]
+    return [
+        f"Summarise this text in three sentences.\n\n{second}",
+        f"Copy every sentence of this text that begins with \"He has\", word for word, one per "
+        f"line.\n\n{text[:3000]}",
+        f"Quote the first sentence of this text exactly, then explain it.\n\n{first}",
+        f"Rewrite this text in modern English, keeping its sentences in order.\n\n{second}",
+    ]
+
+
+def workloads(lm: LoadedModel, config: SpeculationConfig,
+              text_path: Path = TEXT) -> dict[str, list[list[int]]]:
+    """Chat-formatted prompt ids per workload."""
+    text = text_path.read_text()
+    tasks = {"input-grounded": input_grounded_tasks(text), "open-ended": list(OPEN_ENDED)}
+    return {name: [lm.tokenizer.encode(chat_text(lm.tokenizer, [{"role": "user", "content": t}]),
+                                       add_special_tokens=False)
+                   for t in prompts[:config.num_prompts]]
+            for name, prompts in tasks.items()}
+
+
+class _FirstTokens:
+    """A ``generate`` streamer that stamps the first new tokens: ``put`` gets the prompt, then
+    each step's new tokens (several at once when prompt lookup's drafts were kept)."""
+
+    def __init__(self) -> None:
+        self.calls, self.time, self.count = 0, 0.0, 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.count = value.cpu().numel()  # on the host: the step is done
+            self.time = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    tokens: list[int]
+    seconds: float  # the whole call, prefill included
+    decode_tokens: int  # after the first step's
+    decode_seconds: float  # after the first step
+
+
+def _hf_generate(lm: LoadedModel, prompt: list[int], new_tokens: int,
+                 lookup: int | None) -> _Run:
+    ids = torch.tensor([prompt], device=lm.device)
+    # No EOS id: generate never stops early nor suppresses EOS, as ignore_eos does in ours.
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=lm.pad_token_id,
+                              **({"prompt_lookup_num_tokens": lookup} if lookup else {}))
+    first = _FirstTokens()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                streamer=first)
+    end = time.perf_counter()
+    return _Run(out[0, len(prompt):].tolist(), end - start, new_tokens - first.count,
+                end - first.time)
+
+
+def _engine_generate(engine, prompt: list[int], params: SamplingParams) -> _Run:
+    start = time.perf_counter()
+    result = engine.generate([prompt], params)
+    end = time.perf_counter()
+    times = result.token_times
+    return _Run(result.token_ids[0], end - start, len(times) - 1, times[-1] - times[0])
+
+
+def _engine(lm: LoadedModel, system: str, config: SpeculationConfig):
+    options = {"num_draft_tokens": config.num_draft_tokens} if system.startswith("speculative") \
+        else {}
+    return make_engine(system, lm, **options)
+
+
+def batch1_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationConfig,
+                workload: str) -> list[dict]:
+    """Each prompt alone through every system, repeats interleaved; one row per system."""
+    params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
+    engines = {s: _engine(lm, s, config) for s in config.systems if not s.startswith("hf")}
+    # Per system, one decode tok/s per repeat: all prompts' tokens after their first step
+    # over the time after it (the prefill, long for the input-grounded prompts, left out).
+    rates: dict[str, list[float]] = {s: [] for s in config.systems}
+    end_to_end: dict[str, list[float]] = {s: [] for s in config.systems}
+    tokens: dict[str, list[list[int]]] = {}
+    for repeat in range(config.repeat + 1):  # the first round warms up
+        for s in config.systems:
+            runs = []
+            for prompt in prompts:
+                if s.startswith("hf"):
+                    lookup = config.num_draft_tokens if s == "hf-prompt-lookup" else None
+                    runs.append(_hf_generate(lm, prompt, config.new_tokens, lookup))
+                else:
+                    engines[s].reset_prefix_cache()  # each repeat computes its prompt again
+                    runs.append(_engine_generate(engines[s], prompt, params))
+            if repeat:
+                rates[s].append(sum(r.decode_tokens for r in runs)
+                                / sum(r.decode_seconds for r in runs))
+                end_to_end[s].append(len(runs) * config.new_tokens
+                                     / sum(r.seconds for r in runs))
+            tokens.setdefault(s, [r.tokens for r in runs])
+    reference = tokens[config.systems[0]]
+    rows = []
+    for s in config.systems:
+        stats = getattr(engines.get(s), "stats", None)
+        rows.append({
+            "workload": workload, "run": "batch-1", "system": s,
+            "num_prompts": len(prompts), "new_tokens": config.new_tokens,
+            "tok_s": statistics.median(rates[s]), "tok_s_min": min(rates[s]),
+            "tok_s_max": max(rates[s]), "end_to_end_tok_s": statistics.median(end_to_end[s]),
+            "acceptance_rate": stats.acceptance_rate if stats else float("nan"),
+            "tokens_per_step": stats.tokens_per_step if stats else float("nan"),
+            "same_tokens": tokens[s] == reference,
+        })
+    return rows
+
+
+def served_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationConfig,
+                workload: str) -> list[dict]:
+    """Every prompt ``served_copies`` times, all arriving at once, through each engine."""
+    params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
+    batch = [p for p in prompts for _ in range(config.served_copies)]
+    rows = []
+    for s in SERVED_SYSTEMS:
+        engine = _engine(lm, s, config)
+        engine.generate(batch[:2], replace(params, max_new_tokens=4))  # warm-up
+        engine.reset_prefix_cache()
+        stats_before = getattr(engine, "stats", None)
+        stats_before = replace(stats_before) if stats_before else None
+        start = time.perf_counter()
+        ids = [engine.add_request(p, params) for p in batch]
+        finished = {}
+        while engine.has_unfinished_requests():
+            finished.update((r.request_id, r) for r in engine.step().outputs if r.finished)
+        seconds = time.perf_counter() - start
+        timelines = [finished[i].timeline for i in ids]
+        gaps = [b - a for t in timelines
+                for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
+        tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
+                for t in timelines]
+        stats = getattr(engine, "stats", None)
+        drafted = stats.drafted - stats_before.drafted if stats else 0
+        accepted = stats.accepted - stats_before.accepted if stats else 0
+        request_steps = stats.request_steps - stats_before.request_steps if stats else 0
+        produced = stats.tokens - stats_before.tokens if stats else 0
+        rows.append({
+            "workload": workload, "run": "served", "system": s, "num_prompts": len(batch),
+            "new_tokens": config.new_tokens,
+            "tok_s": len(batch) * config.new_tokens / seconds,
+            "itl_p50_ms": statistics.median(gaps) * 1e3,
+            "itl_p99_ms": sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3,
+            "tpot_p50_ms": statistics.median(tpot) * 1e3,
+            "acceptance_rate": accepted / drafted if drafted else float("nan"),
+            "tokens_per_step": produced / request_steps if request_steps else float("nan"),
+        })
+    return rows
+
+
+def results_path(device: torch.device) -> Path:
+    return recording_root() / "ch14" / f"{device_slug(device)}-speculative.csv"
+
+
+def record_speculation(device: torch.device | str | None = "auto",
+                       config: SpeculationConfig | None = None, lm: LoadedModel | None = None,
+                       out: Path | None = None, text_path: Path = TEXT) -> Path:
+    """``make chapter-14``: both workloads at batch 1 and served; one CSV."""
+    dev = resolve_device(device)
+    config = config or SpeculationConfig()
+    lm = lm or load_model("smollm2-135m", device=dev)
+    rows = []
+    with LoadGuard(torch.get_num_threads() if dev.type == "cpu" else 1) as guard:
+        for name, prompts in workloads(lm, config, text_path).items():
+            rows += batch1_rows(lm, prompts, config, name)
+            rows += served_rows(lm, prompts, config, name)
+    meta = {**run_metadata(dev), "model": lm.name, "dtype": dtype_name(lm.dtype),
+            "num_draft_tokens": config.num_draft_tokens, **guard.columns()}
+    df = pd.DataFrame([{**meta, **row} for row in rows])
+    out = out or results_path(dev)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(df[["workload", "run", "system", "tok_s", "acceptance_rate", "tokens_per_step"]]
+          .round(2).to_string(index=False))
+    print(f"wrote {out}")
+    return out

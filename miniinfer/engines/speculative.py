@@ -1,0 +1,218 @@
+"""Stage ``speculative``: several tokens per step, the same tokens out (chapter 14).
+
+Chapter 09's engine, whose every decode step reads all the weights to produce one token per
+request. While a step is memory-bound, feeding a request a few more tokens costs almost
+nothing, so this stage guesses (drafts) a request's next ``k`` tokens and lets the one forward
+check them all (:mod:`miniinfer.core.speculative`):
+
+- ``schedule``: before the scheduler decides, each decoding request gets a draft from prompt
+  lookup over its own text, as long as :class:`~miniinfer.core.speculative.DraftBudget` says
+  it pays (variant ``fixed``: always ``num_draft_tokens`` where the lookup finds them). The
+  scheduler feeds the last token and the drafts (``Request.draft_ids``) and scores all
+  ``k + 1`` positions (``ScheduledBatch.num_scored``);
+- ``sample``: greedy requests keep the drafts that equal the model's argmax plus one token of
+  the model's; sampled ones use rejection sampling, so their tokens follow the model's
+  distribution exactly;
+- ``commit``: the rejected drafts' K/V is taken back (``BlockManager.truncate``) before the
+  kept tokens are appended, so the cache holds exactly the committed tokens' K/V again, and
+  the prefix cache never hashes a draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core.errors import InvalidRequestError
+from ..core.models import LoadedModel
+from ..core.sampling import sample_batch, sampling_probs
+from ..core.scheduler import Request, ScheduledBatch
+from ..core.speculative import (
+    Acceptance,
+    DraftBudget,
+    NgramIndex,
+    accept_greedy,
+    accept_sampled,
+)
+from .prefix_cache import PrefixCacheEngine
+
+# Tokens a step may hold before it turns compute-bound (the roofline's ridge, in tokens of a
+# step): on a CPU tens, on a GPU hundreds. The CPU's from chapter 14's timing cell on a 2-core
+# Xeon (SmolLM2 fp32: 16 tokens took 1.4x one token's forward, on a busy machine); the GPU's is
+# the roofline's estimate, not yet measured.
+KNEE_TOKENS = {"cpu": 16.0, "cuda": 128.0}
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Counts since the engine started: draft tokens proposed and kept, and request-steps (one
+    request in one step) with the tokens they produced."""
+
+    drafted: int = 0
+    accepted: int = 0
+    request_steps: int = 0  # request-steps that produced tokens
+    drafted_steps: int = 0  # of them, the ones that verified a draft
+    tokens: int = 0  # tokens those request-steps produced
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens a request gets from one step (1.0 without speculation)."""
+        return self.tokens / self.request_steps if self.request_steps else 0.0
+
+
+@dataclass(slots=True)
+class _Drafter:
+    index: NgramIndex
+    acceptance: Acceptance
+
+
+class SpeculativeEngine(PrefixCacheEngine):
+    name = "speculative"
+    summary = "n-gram (prompt lookup) drafts, k + 1 positions verified in one step, lossless"
+    variants = ("adaptive", "fixed")
+    variant_option = "draft_policy"
+
+    def __init__(self, lm: LoadedModel, num_draft_tokens: int = 4, draft_policy: str = "adaptive",
+                 knee_tokens: float | None = None, **options) -> None:
+        if draft_policy not in self.variants:
+            raise InvalidRequestError(f"draft_policy must be one of {self.variants}, got "
+                                      f"{draft_policy!r}")
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) \
+                or num_draft_tokens < 0:
+            raise InvalidRequestError(f"num_draft_tokens must be an integer >= 0, got "
+                                      f"{num_draft_tokens!r}")
+        super().__init__(lm, **options)
+        self.draft_policy = draft_policy
+        knee = KNEE_TOKENS.get(self.device.type, KNEE_TOKENS["cuda"])
+        self.draft_budget = DraftBudget(num_draft_tokens, knee if knee_tokens is None
+                                        else knee_tokens)
+        self.stats = SpeculationStats()
+        self._drafters: dict[Request, _Drafter] = {}  # by the request itself: ids are reused
+
+    def schedule(self) -> ScheduledBatch:
+        """Draft for the decoding requests, then let chapter 08's scheduler decide."""
+        self._propose_drafts()
+        return super().schedule()
+
+    def _propose_drafts(self) -> None:
+        scheduler = self.scheduler
+        for request in [r for r in self._drafters if r.finished]:
+            del self._drafters[request]  # finished or aborted
+        decoding = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in decoding:
+            request.draft_ids.clear()
+        candidates, drafts = [], []
+        for request in decoding:
+            # A step yields up to k + 1 tokens; more drafts than the request may still
+            # produce would be wasted (and would need KV slots its limit never counted).
+            k = min(self.draft_budget.max_draft,
+                    request.params.max_new_tokens - len(request.output_ids) - 1)
+            if k <= 0 or not self.can_draft(request):
+                continue
+            draft = self.propose(request, k)
+            if draft:
+                drafts.append((request, draft))
+                candidates.append((len(draft), self._drafter(request).acceptance.rate))
+        if not drafts:
+            return
+        if self.draft_policy == "fixed":
+            lengths = [n for n, _ in candidates]
+        else:
+            # The step's other tokens: every decode, and as much prompt as the budget holds.
+            budget = scheduler.config.max_num_batched_tokens
+            prompts = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running
+                          if r.num_tokens - r.num_computed_tokens > 1)
+            prompts += sum(r.num_tokens for r in scheduler.waiting)
+            base = len(decoding) + min(prompts, max(budget - len(decoding), 0))
+            lengths = self.draft_budget.allocate(base, len(decoding), candidates)
+        for (request, draft), k in zip(drafts, lengths, strict=True):
+            request.draft_ids = draft[:k]
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for a request: prompt lookup over its own text."""
+        return self._drafter(request).index.propose(request.token_ids(0, request.num_tokens), k)
+
+    def _drafter(self, request: Request) -> _Drafter:
+        drafter = self._drafters.get(request)
+        if drafter is None:
+            drafter = self._drafters[request] = _Drafter(NgramIndex(), Acceptance())
+        return drafter
+
+    def can_draft(self, request: Request) -> bool:
+        """Whether verification can score a request's drafts with the state it has now: the
+        sampler reads a request's committed output for penalties and ``min_tokens``, which a
+        draft would change mid-step; sampled logprobs would need the rejection's draw."""
+        params = request.params
+        return (not params.penalised and len(request.output_ids) >= params.min_tokens
+                and (params.greedy or params.logprobs is None))
+
+    def sample(self, logits: torch.Tensor, rows: list[Request]) -> list[tuple[Request, list[int]]]:
+        """Verify each request's drafts against its rows (one row per scored position)."""
+        spans: list[tuple[Request, int, int]] = []  # request, first row, number of rows
+        for i, request in enumerate(rows):
+            if spans and spans[-1][0] is request:
+                spans[-1] = (request, spans[-1][1], spans[-1][2] + 1)
+            else:
+                spans.append((request, i, 1))
+        # Greedy rows and undrafted rows in one pass of chapter 08's sampler; drafted rows
+        # that sample go to rejection sampling, which needs the target's probabilities.
+        rejection = [s for s in spans if s[2] > 1 and not s[0].params.greedy]
+        plain = [s for s in spans if s[2] == 1 or s[0].params.greedy]
+        kept: dict[Request, list[int]] = {}
+        if plain:
+            index = [first + j for _, first, count in plain for j in range(count)]
+            sampled = sample_batch(logits[index], [rows[i] for i in index],
+                                   self.lm.eos_token_id)
+            row = 0
+            for request, _, count in plain:
+                targets = sampled.token_ids[row:row + count]
+                tokens = accept_greedy(request.draft_ids, targets) if count > 1 else targets
+                for logprobs in sampled.logprobs[row:row + len(tokens)]:
+                    if logprobs is not None:
+                        request.output_logprobs.append(logprobs)
+                        request.cumulative_logprob += logprobs.logprob
+                kept[request] = tokens
+                row += count
+        if rejection:
+            index = [first + j for _, first, count in rejection for j in range(count)]
+            probs = sampling_probs(logits[index], [rows[i] for i in index],
+                                   self.lm.eos_token_id)
+            row = 0
+            for request, _, count in rejection:
+                generator = request.generator if request.params.seed is not None else None
+                kept[request] = accept_sampled(request.draft_ids, probs[row:row + count],
+                                               generator)
+                row += count
+        return [(request, kept[request]) for request, _, _ in spans]
+
+    def commit(self, request: Request, tokens: list[int], now: float) -> None:
+        """Take back the rejected drafts' K/V, then append the kept tokens."""
+        drafted = len(request.draft_ids)
+        accepted = len(tokens) - 1
+        if drafted:
+            # The step computed K/V for the last token and every draft; keep the last token's
+            # and the accepted drafts'. The new last token (the model's own) is fed next step.
+            rejected = drafted - accepted
+            request.num_computed_tokens -= rejected
+            self.kv_cache.block_manager.truncate(request.request_id, rejected)
+            request.draft_ids.clear()
+            self._drafter(request).acceptance.update(drafted, accepted)
+        stats = self.stats
+        stats.drafted += drafted
+        stats.accepted += accepted
+        stats.request_steps += 1
+        stats.drafted_steps += drafted > 0
+        before = len(request.output_ids)
+        super().commit(request, tokens, now)
+        appended = len(request.output_ids) - before
+        stats.tokens += appended
+        # A stop among the kept tokens drops the ones after it, and their logprobs.
+        if request.params.logprobs is not None and appended < len(tokens):
+            dropped = request.output_logprobs[before + appended:]
+            del request.output_logprobs[before + appended:]
+            request.cumulative_logprob -= sum(lp.logprob for lp in dropped)

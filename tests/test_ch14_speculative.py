@@ -1,0 +1,300 @@
+"""Chapter 14: speculative decoding. Drafts from prompt lookup, k + 1 positions verified in one
+step, and the same tokens out: greedy tokens equal the non-speculative engine's and HF's (tiny
+and SmolLM2), sampled tokens follow the model's distribution (a chi-square test), and the
+rollback leaves the request and its blocks exactly as the kept tokens need them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from template import first_difference
+
+from miniinfer import ENGINES, SamplingParams, make_engine
+from miniinfer.core.sampling import sampling_probs
+from miniinfer.core.speculative import DraftBudget, NgramIndex, accept_greedy, accept_sampled
+from miniinfer.engines.speculative import SpeculativeEngine
+
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+
+
+def repetitive_prompts(lm) -> list[list[int]]:
+    """Prompts whose continuations copy earlier text, so drafts get accepted."""
+    tok = lm.tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat this sentence three times: The quick brown fox "
+                                     "jumps over the lazy dog."}], add_generation_prompt=True)
+    chat = chat["input_ids"] if hasattr(chat, "keys") else list(chat)
+    return [tok.encode("Copy the list exactly.\nList: apples, bananas, cherries, dates, "
+                       "elderberries, figs, grapes, honeydew.\nCopy: apples, bananas,"), chat,
+            [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]]
+
+
+# -- the pieces ---------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_matches_the_longest_suffix_at_its_latest_occurrence():
+    index = NgramIndex()
+    text = [1, 2, 3, 4, 5, 1, 2, 3]
+    assert index.propose(text, 3) == [4, 5, 1]  # "1 2 3" occurred at 0: "4 5 1" followed
+    assert index.propose([*text, 9], 3) == []  # 9 never occurred before
+    assert NgramIndex().propose([4, 1, 2, 8, 1, 2], 2) == [8, 1]  # 2-gram "1 2", latest: at 4
+    assert NgramIndex().propose([7, 3, 7], 4) == [3, 7, 3, 7]  # the copy goes on from itself
+    assert NgramIndex().propose([1, 2, 3], 4) == [] and NgramIndex().propose([1], 2) == []
+
+
+def test_greedy_acceptance_keeps_drafts_while_they_equal_the_argmax_then_one_of_its_own():
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]  # third draft wrong: corrected
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]  # all kept, plus a bonus
+    assert accept_greedy([5, 6], [4, 6, 7]) == [4]  # first wrong: still one token
+    assert accept_greedy([], [3]) == [3]
+
+
+def test_sampled_acceptance_keeps_a_sure_draft_and_never_redraws_a_rejected_one():
+    probs = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5], [0.0, 0.0, 1.0]])
+    g = torch.Generator().manual_seed(0)
+    assert accept_sampled([1, 1], probs, g)[:1] == [1]  # p(1) = 1: always kept
+    for seed in range(20):  # p(1) = 0 at row 1: rejected, and the redraw avoids it
+        out = accept_sampled([1, 1], probs, torch.Generator().manual_seed(seed))
+        assert out[0] == 1 and out[1] in (0, 2) and len(out) == 2
+
+
+def test_draft_budget_drafts_alone_not_in_a_full_batch_and_stops_when_drafts_fail():
+    budget = DraftBudget(max_draft=4, knee_tokens=8, token_cost=0.02)
+    assert budget.allocate(1, 1, [(4, 0.8)]) == [4]  # batch 1: memory-bound, verify is free
+    assert budget.allocate(64, 64, [(4, 0.8)] * 64) == [0] * 64  # compute-bound: none pays
+    assert budget.allocate(1, 1, [(4, 0.01)]) == [0]  # drafts that fail cost more than they give
+    assert budget.allocate(1, 1, [(2, 0.9)]) == [2]  # never more than the lookup found
+    mixed = budget.allocate(4, 4, [(4, 0.9), (4, 0.1), (4, 0.5), (0, 0.9)])
+    assert mixed[0] >= mixed[2] >= mixed[1] and mixed[3] == 0  # the likelier drafts first
+
+
+# -- lossless, greedy ---------------------------------------------------------------------------
+
+
+def test_the_stage_is_registered_on_chapter_09s_engine():
+    assert ENGINES["speculative"] is SpeculativeEngine
+    assert SpeculativeEngine.__mro__[1] is ENGINES["prefix-cache"]
+
+
+def test_greedy_tokens_equal_the_plain_engines_on_tiny_in_one_batch_and_alone(tiny):
+    prompts = repetitive_prompts(tiny) + [[20 + (3 * j) % 50 for j in range(40)]]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    expected = make_engine("continuous", tiny, block_size=4).generate(prompts, params).token_ids
+    for name in ("speculative", "speculative:fixed"):
+        engine = make_engine(name, tiny, block_size=4)
+        assert engine.generate(prompts, params).token_ids == expected, name
+        for prompt, ref in zip(prompts, expected, strict=True):
+            ours = engine.generate([prompt], params).token_ids[0]
+            assert ours == ref, f"{name} alone: " + first_difference(ours, ref)
+        assert engine.stats.accepted > 0 and engine.stats.drafted > engine.stats.accepted
+        assert engine.kv_cache.block_manager.block_tables == {}  # every block given back
+
+
+def test_greedy_tokens_equal_hf_and_the_plain_engine_on_smollm2(smollm2):
+    prompts = repetitive_prompts(smollm2)[:2]
+    hf = make_engine("hf", smollm2)
+    plain = make_engine("prefix-cache", smollm2)
+    engine = make_engine("speculative", smollm2)
+    for prompt in prompts:
+        ref = hf.generate([prompt], GREEDY).token_ids[0]
+        assert plain.generate([prompt], GREEDY).token_ids[0] == ref
+        ours = engine.generate([prompt], GREEDY).token_ids[0]
+        assert ours == ref, first_difference(ours, ref)
+    # The copy prompt's continuation is its list: most drafts are right.
+    assert engine.stats.accepted >= 8 and engine.stats.tokens_per_step > 1.3
+
+
+def test_stop_tokens_and_logprobs_inside_accepted_drafts(tiny):
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    plain = make_engine("continuous", tiny)
+    engine = make_engine("speculative:fixed", tiny)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, logprobs=2)
+    done = {}
+    for e in (plain, engine):
+        e.add_request(prompt, params)
+        while e.has_unfinished_requests():
+            for r in e.step().outputs:
+                if r.finished:
+                    done[e] = r
+    a, b = done[plain], done[engine]
+    assert b.output_ids == a.output_ids and len(b.output_logprobs) == len(b.output_ids)
+    assert [lp.token_id for lp in b.output_logprobs] == b.output_ids
+    assert abs(b.cumulative_logprob - a.cumulative_logprob) < 1e-3
+    # A stop token that a draft carries ends the request there, its later tokens dropped.
+    stop = a.output_ids[5]
+    cut = make_engine("speculative:fixed", tiny).generate(
+        [prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(stop,)))
+    assert cut.token_ids[0] == a.output_ids[:a.output_ids.index(stop) + 1]
+
+
+# -- acceptance and rollback state --------------------------------------------------------------
+
+
+class ForcedDrafts(SpeculativeEngine):
+    """Drafts chosen by the test: ``drafts[len(output)]`` for a request's output so far."""
+
+    drafts: dict[int, list[int]] = {}
+
+    def propose(self, request, k):
+        return list(self.drafts.get(len(request.output_ids), []))
+
+
+def test_rollback_keeps_the_accepted_drafts_kv_and_frees_the_rejected_blocks(tiny):
+    prompt = list(range(20, 30))  # 10 tokens, block size 4: blocks 0-2 hold tokens 0-11
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = make_engine("continuous", tiny, block_size=4).generate([prompt], params).token_ids[0]
+    engine = ForcedDrafts(tiny, block_size=4, num_draft_tokens=6, draft_policy="fixed")
+    # After the first token: 2 right drafts, then 4 wrong ones (to 17 tokens, into block 4).
+    wrong = [t + 1 for t in expected[3:7]]
+    engine.drafts = {1: [expected[1], expected[2], *wrong]}
+    rid = engine.add_request(prompt, params)
+    request = engine.requests[rid]
+    manager = engine.kv_cache.block_manager
+    engine.step()  # the prompt: one token
+    assert request.output_ids == expected[:1] and request.num_computed_tokens == 10
+    free_before = manager.num_free_blocks
+    truncated = []
+    original = manager.truncate
+    manager.truncate = lambda request_id, n: truncated.append((n, original(request_id, n))) \
+        or truncated[-1][1]
+    step = engine.step()  # fed 7 tokens at 10..16; kept 2 drafts and the model's token
+    assert step.num_prefill_tokens == 7 and step.num_decodes == 0
+    assert request.output_ids == expected[:4]
+    assert request.num_computed_tokens == 13 and request.num_tokens == 14
+    assert manager.num_tokens[rid] == 13 and len(manager.block_tables[rid]) == 4
+    assert truncated[0][0] == 4 and len(truncated[0][1]) == 1  # block 4 (tokens 16-) freed
+    assert manager.num_free_blocks == free_before - 1  # block 3 stays: it holds tokens 12-13
+    assert request.draft_ids == [] and (engine.stats.drafted, engine.stats.accepted) == (6, 2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.output_ids == expected  # the K/V kept was right: the rest follows
+    assert manager.block_tables == {} and engine.stats.tokens == len(expected)
+
+
+def test_drafts_shrink_to_the_token_budget_and_give_way_before_a_preemption(tiny):
+    engine = ForcedDrafts(tiny, block_size=4, num_draft_tokens=6, draft_policy="fixed",
+                          max_num_batched_tokens=4)
+    engine.drafts = {1: [1, 2, 3, 4, 5, 6]}
+    engine.add_request(list(range(20, 24)), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    step = engine.step()
+    assert step.num_prefill_tokens == 4  # the last token and 3 drafts: the budget's 4
+    assert engine.stats.drafted == 3
+
+
+# -- lossless, sampled: the output follows the model's distribution ---------------------------
+
+
+def test_sampled_tokens_after_a_forced_draft_follow_the_models_distribution(tiny):
+    """Chi-square goodness of fit. 1,200 seeded requests share a prompt and sample with
+    top_k = 4 at temperature 1; their first token t1 comes from a plain (prefill) step. For the
+    requests whose t1 is the most common one, the next step verifies a forced draft: the
+    second most likely token after (prompt, t1), kept with probability p(draft), else
+    replaced by a draw from p without it. Their second token must follow p(. | prompt, t1),
+    computed exactly from the model, over the 4 tokens top-k keeps: 3 degrees of freedom, and
+    the test fails when the statistic exceeds 16.27, the chi-square quantile at 0.999 — a
+    correct sampler fails with probability 0.1% over random seeds (the seeds are fixed, so
+    the outcome is reproducible). A sampler that ignored the rejection (kept every draft) or
+    redrew from p including the draft is caught at far smaller counts."""
+    n = 1200
+    prompt = [3, 141, 59, 26, 53, 58, 97, 93]
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0, top_k=4,
+                             seed=seed) for seed in range(n)]
+    # p(. | prompt) and, for the likeliest t1, p(. | prompt, t1): the model's own rows.
+    with torch.inference_mode():
+        logits = tiny.model(input_ids=torch.tensor([prompt])).logits[0, -1:]
+    first = sampling_probs(logits, [_row(params[0])], None)[0]
+    t1 = int(first.argmax())
+    with torch.inference_mode():
+        logits = tiny.model(input_ids=torch.tensor([[*prompt, t1]])).logits[0, -1:]
+    p = sampling_probs(logits, [_row(params[0])], None)[0]
+    support = p.nonzero()[:, 0].tolist()
+    assert len(support) == 4
+    draft = int(p.topk(2).indices[1])
+    engine = ForcedDrafts(tiny, draft_policy="fixed", max_num_seqs=n,
+                          max_num_batched_tokens=n * len(prompt), num_blocks=3 * n)
+    engine.drafts = {1: [draft]}
+    original = engine.propose
+    engine.propose = lambda request, k: original(request, k) if request.output_ids == [t1] \
+        else []
+    ids = [engine.add_request(prompt, sp) for sp in params]
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((r.request_id, r.output_ids) for r in engine.step().outputs if r.finished)
+    seconds = [outputs[i][1] for i in ids if outputs[i][0] == t1]
+    assert len(seconds) > n // 8 and engine.stats.drafted == len(seconds)
+    assert 0 < engine.stats.accepted < len(seconds)  # both branches taken
+    counts = torch.tensor([seconds.count(t) for t in support], dtype=torch.float64)
+    assert counts.sum() == len(seconds)  # never a token top-k removed
+    expected = p[support].double() * len(seconds)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (chi2, counts.tolist(), expected.tolist())
+
+
+def _row(params: SamplingParams):
+    class Row:
+        prompt_ids: list[int] = []
+        output_ids: list[int] = []
+        penalty_state = None
+        generator = None
+
+    row = Row()
+    row.params = params
+    return row
+
+
+# -- the server: serve --speculative ngram ----------------------------------------------------
+
+
+def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics(tiny):
+    from server_helpers import running_server
+
+    from miniinfer.core.errors import InvalidRequestError
+    from miniinfer.server import ServerConfig
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    texts = {}
+    for speculative in (None, "ngram"):
+        with running_server(tiny, speculative=speculative, num_speculative_tokens=3) as server:
+            assert (server.engine.name == "speculative") == (speculative is not None)
+            out = server.client().completions.create(model=tiny.name, **{
+                k: v for k, v in body.items() if k != "ignore_eos"}, extra_body={
+                "ignore_eos": True})
+            texts[speculative] = out.choices[0].text
+            metrics = server.metrics()
+            if speculative:
+                stats = server.engine.stats
+                assert server.engine.draft_budget.max_draft == 3
+                assert metrics["vllm:spec_decode_num_draft_tokens_total"] == stats.drafted > 0
+                assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == stats.accepted
+                assert metrics["vllm:spec_decode_num_drafts_total"] == stats.drafted_steps
+            else:
+                assert not any(name.startswith("vllm:spec_decode") for name in metrics)
+    assert texts["ngram"] == texts[None]
+    with pytest.raises(InvalidRequestError, match="speculative must be one of ngram"):
+        ServerConfig(speculative="eagle")
+    with pytest.raises(InvalidRequestError, match="runs on the prefix-cache engine"):
+        ServerConfig(engine="compiled", speculative="ngram")
+
+
+# -- the recording (make chapter-14), rehearsed on tiny sizes ---------------------------------
+
+
+def test_the_recording_writes_both_workloads_at_batch_1_and_served(tiny, tmp_path):
+    from miniinfer.book.results import read_results
+    from miniinfer.book.speculation import SYSTEMS, SpeculationConfig, record_speculation
+
+    words = " ".join(f"word{i}" for i in range(40))
+    text = tmp_path / "text.txt"
+    text.write_text(f"Title\n\n{words}.\n\n{words} again.\n\nShort.")
+    config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_copies=2)
+    path = record_speculation("cpu", config, lm=tiny, out=tmp_path / "ch14.csv", text_path=text)
+    df = read_results(path)
+    assert set(df.workload) == {"input-grounded", "open-ended"}
+    batch1 = df[df.run == "batch-1"]
+    assert sorted(batch1.system) == sorted(SYSTEMS * 2)
+    assert batch1.same_tokens.astype(str).str.lower().eq("true").all()  # HF's lookup included
+    served = df[df.run == "served"]
+    assert len(served) == 6 and (served.num_prompts == 2).all() and (served.tok_s > 0).all()
+    assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy"} <= set(df)
