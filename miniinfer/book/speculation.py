@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..core.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
@@ -144,22 +145,23 @@ def batch1_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationCo
     rates: dict[str, list[float]] = {s: [] for s in config.systems}
     end_to_end: dict[str, list[float]] = {s: [] for s in config.systems}
     tokens: dict[str, list[list[int]]] = {}
-    for repeat in range(config.repeat + 1):  # the first round warms up
-        for s in config.systems:
-            runs = []
-            for prompt in prompts:
-                if s.startswith("hf"):
-                    lookup = config.num_draft_tokens if s == "hf-prompt-lookup" else None
-                    runs.append(_hf_generate(lm, prompt, config.new_tokens, lookup))
-                else:
-                    engines[s].reset_prefix_cache()  # each repeat computes its prompt again
-                    runs.append(_engine_generate(engines[s], prompt, params))
-            if repeat:
-                rates[s].append(sum(r.decode_tokens for r in runs)
-                                / sum(r.decode_seconds for r in runs))
-                end_to_end[s].append(len(runs) * config.new_tokens
-                                     / sum(r.seconds for r in runs))
-            tokens.setdefault(s, [r.tokens for r in runs])
+    rounds = [(repeat, s) for repeat in range(config.repeat + 1) for s in config.systems]
+    for repeat, s in tqdm(rounds, desc=f"{workload}, batch 1", leave=False):
+        # The first round (repeat 0) warms up.
+        runs = []
+        for prompt in prompts:
+            if s.startswith("hf"):
+                lookup = config.num_draft_tokens if s == "hf-prompt-lookup" else None
+                runs.append(_hf_generate(lm, prompt, config.new_tokens, lookup))
+            else:
+                engines[s].reset_prefix_cache()  # each repeat computes its prompt again
+                runs.append(_engine_generate(engines[s], prompt, params))
+        if repeat:
+            rates[s].append(sum(r.decode_tokens for r in runs)
+                            / sum(r.decode_seconds for r in runs))
+            end_to_end[s].append(len(runs) * config.new_tokens
+                                 / sum(r.seconds for r in runs))
+        tokens.setdefault(s, [r.tokens for r in runs])
     reference = tokens[config.systems[0]]
     rows = []
     for s in config.systems:
