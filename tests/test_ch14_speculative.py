@@ -182,6 +182,26 @@ def test_drafts_shrink_to_the_token_budget_and_give_way_before_a_preemption(tiny
     assert engine.stats.drafted == 3
 
 
+def test_preemption_under_speculation_recomputes_and_keeps_the_tokens(tiny):
+    """A pool too small for every request: the scheduler drops drafts first, then preempts;
+    a preempted request recomputes its committed tokens only, and every request still gets the
+    tokens it gets alone."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 40 + i] for i in range(4)]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    expected = make_engine("continuous", tiny, block_size=4).generate(prompts, params).token_ids
+    engine = make_engine("speculative:fixed", tiny, block_size=4, num_blocks=16)
+    ids = [engine.add_request(p, params) for p in prompts]
+    requests = [engine.requests[i] for i in ids]
+    while engine.has_unfinished_requests():
+        engine.step()
+        manager = engine.kv_cache.block_manager
+        for r in engine.scheduler.running:  # after a step: committed K/V only, no drafts left
+            assert r.draft_ids == [] and manager.num_tokens[r.request_id] == \
+                r.num_computed_tokens <= r.num_tokens
+    assert [r.output_ids for r in requests] == expected
+    assert sum(r.num_preemptions for r in requests) > 0 and engine.stats.accepted > 0
+
+
 # -- lossless, sampled: the output follows the model's distribution ---------------------------
 
 
