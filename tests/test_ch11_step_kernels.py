@@ -37,12 +37,11 @@ MIXED = StepScenario("2 decodes + 2 prompts of 7", 2, 20, 2, 7)
 
 def test_kernel_names_map_to_the_models_projections(tiny):
     projections = projection_names(tiny.model)
-    assert projections == {(64, 64): "q_proj/o_proj", (32, 64): "k_proj/v_proj",
-                           (128, 64): "gate_proj/up_proj", (64, 128): "down_proj",
-                           (49152, 64): "lm_head"}
+    # The forward's own model: query/key/value fused (64 + 2 x 32 rows), gate/up fused.
+    assert projections == {(128, 64): "qkv", (64, 64): "out", (256, 64): "gate_up",
+                           (64, 128): "down", (49152, 64): "lm_head"}
     part = step_kernels._part
-    assert part("graph_1_gemm_m4n128k64_kernel", projections) == \
-        f"{TEMPLATE_GEMM} gate_proj/up_proj"
+    assert part("graph_1_gemm_m4n256k64_kernel", projections) == f"{TEMPLATE_GEMM} gate_up"
     assert part("graph_3_gemm_m4n7k9_kernel", projections) == f"{TEMPLATE_GEMM} n7 k9"
     assert part("graph_1_cpp_fused_add_mean_mul_pow_rsqrt_7", projections) == FUSED
     assert part("miniinfer::paged_token_attention", projections) == ATTENTION_KERNEL

@@ -83,15 +83,19 @@ SCENARIOS = (StepScenario("1 decode", 1, 256), StepScenario("8 decodes", 8, 256)
 
 
 def projection_names(model: nn.Module) -> dict[tuple[int, int], str]:
-    """The model's projections by the (output, input) sizes a GEMM kernel's name gives, the
-    names of those sharing a shape joined (SmolLM2's query and output projections are both
-    576 x 576)."""
-    layer = model.model.layers[0]
-    named = [(n, m) for n, m in [*layer.self_attn.named_children(), *layer.mlp.named_children()]
-             if isinstance(m, nn.Linear)] + [("lm_head", model.lm_head)]
+    """The projections of the model the forward runs (:mod:`miniinfer.runner.model`, built
+    from the HF ``model``) by the (output, input) sizes a GEMM kernel's name gives: the fused
+    query/key/value and gate/up projections, the output and down projections, the LM head;
+    the names of those sharing a shape joined."""
+    from ..runner.model import Linear, load
+
+    ours = load(model)
+    named = [(name.rpartition(".")[2], m) for name, m in ours.layers[0].named_modules()
+             if isinstance(m, Linear)] + [("lm_head", ours.lm_head)]
     by_shape: dict[tuple[int, int], list[str]] = {}
     for name, linear in named:
-        by_shape.setdefault((linear.out_features, linear.in_features), []).append(name)
+        out_features, in_features = linear.weight.shape
+        by_shape.setdefault((out_features, in_features), []).append(name)
     return {shape: "/".join(names) for shape, names in by_shape.items()}
 
 
