@@ -37,11 +37,14 @@ from ..core.speculative import (
 )
 from .prefix_cache import PrefixCacheEngine
 
-# Tokens a step may hold before it turns compute-bound (the roofline's ridge, in tokens of a
-# step): on a CPU tens, on a GPU hundreds. The CPU's from chapter 14's timing cell on a 2-core
-# Xeon (SmolLM2 fp32: 16 tokens took 1.4x one token's forward, on a busy machine); the GPU's is
-# the roofline's estimate, not yet measured.
-KNEE_TOKENS = {"cpu": 16.0, "cuda": 128.0}
+# A step's cost model per device (DraftBudget): the tokens a step holds before it turns
+# compute-bound (the roofline's ridge), and what each fed token adds, as a share of a one-token
+# step. The CPU's from a 2-core Xeon (SmolLM2 fp32, on a busy machine): a forward over 16
+# tokens took about 1.4x one token's, but inside the engine a 5-token verification step at a
+# 650-token context took 100-117 ms against a decode's 57 ms (the varlen attention path and the
+# extra rows), so each token costs about a quarter of a step there. The GPU's are the
+# roofline's estimates, not yet measured.
+DRAFT_COSTS = {"cpu": (16.0, 0.25), "cuda": (128.0, 0.002)}
 
 
 @dataclass(slots=True)
@@ -78,7 +81,8 @@ class SpeculativeEngine(PrefixCacheEngine):
     variant_option = "draft_policy"
 
     def __init__(self, lm: LoadedModel, num_draft_tokens: int = 4, draft_policy: str = "adaptive",
-                 knee_tokens: float | None = None, **options) -> None:
+                 knee_tokens: float | None = None, token_cost: float | None = None,
+                 **options) -> None:
         if draft_policy not in self.variants:
             raise InvalidRequestError(f"draft_policy must be one of {self.variants}, got "
                                       f"{draft_policy!r}")
@@ -88,9 +92,10 @@ class SpeculativeEngine(PrefixCacheEngine):
                                       f"{num_draft_tokens!r}")
         super().__init__(lm, **options)
         self.draft_policy = draft_policy
-        knee = KNEE_TOKENS.get(self.device.type, KNEE_TOKENS["cuda"])
-        self.draft_budget = DraftBudget(num_draft_tokens, knee if knee_tokens is None
-                                        else knee_tokens)
+        knee, cost = DRAFT_COSTS.get(self.device.type, DRAFT_COSTS["cuda"])
+        self.draft_budget = DraftBudget(num_draft_tokens,
+                                        knee if knee_tokens is None else knee_tokens,
+                                        cost if token_cost is None else token_cost)
         self.stats = SpeculationStats()
         self._drafters: dict[Request, _Drafter] = {}  # by the request itself: ids are reused
 
