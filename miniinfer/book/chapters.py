@@ -20,9 +20,8 @@ RECORDINGS = {
     "serving": "serving workloads (rate, budget and batching sweeps)",
     "prefix": "shared-prefix and multi-turn serving workloads",
     "server": "the target workload in-process and over HTTP",
-    "catching": "offline benchmark, ablation, compile times, the target workload (in-process, "
-                "over HTTP, profiled) and the budget sweep, beside vLLM; bf16 rows where the "
-                "CPU computes in it; steps profiled kernel by kernel",
+    "catching": "offline benchmark and the target workload in-process and over HTTP, beside "
+                "vLLM (the lab notes' probes with MINIINFER_CH11_PROBES=1)",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
     "speculative": "input-grounded and open-ended chat prompts at batch 1 and served, beside "
                    "transformers' prompt lookup",
