@@ -267,7 +267,7 @@ def create_app(lm: LoadedModel, engine: ContinuousEngine, model_name: str,
         body = parse_body(model, await read_body(http_request, max_request_bytes))
         unknown_fields.check(body)
         name = getattr(body, "model", None)
-        if name and name != model_name:
+        if name is not None and name != model_name:  # "" names no model either
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{model_name!r}", param="model", code="model_not_found")
         return body
