@@ -111,10 +111,12 @@ book: book-setup
 # is never used.
 book-browser:
 	test -x $(CHROMIUM) || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	  apt-get install -y -qq chromium >/dev/null)
+	  apt-get install -y -qq chromium >/dev/null) || \
+	  echo "book-browser: could not install Debian's chromium (not root, or no package index)" >&2
 
 book-check: book book-browser
-	$(PYTHON) scripts/check_site.py --chromium $(CHROMIUM)
+	@if test -x $(CHROMIUM); then $(PYTHON) scripts/check_site.py --chromium $(CHROMIUM); \
+	else echo "book-check: NOT RUN: no browser at $(CHROMIUM) (make book-browser installs it)" >&2; fi
 
 # A bounded soak of the server (issue 68): minutes of mixed plain, streamed and cancelled
 # requests on the tiny model over loopback; fails unless RSS (+32 MiB at most), open file
