@@ -363,3 +363,22 @@ def test_triton_decode_splits_only_where_the_gpu_would_idle():
     assert triton_attention.decode_splits(128, 4, 256, cuda) == 1
     assert triton_attention.decode_splits(1, 4, 4, cuda) == 1
     assert triton_attention.decode_splits(1, 4, 256, cpu) == 1
+
+
+def test_a_killed_builds_lock_is_removed_and_a_live_ones_kept(tmp_path):
+    """torch waits forever on a build lock; one left by a killed build must not hang the next
+    process that loads the CPU decode kernel."""
+    import os
+    import time
+
+    from miniinfer.core.kernels.cpu_decode import STALE_LOCK_S, remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    remove_stale_lock(tmp_path)
+    assert lock.exists()  # a build may be running right now
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    remove_stale_lock(tmp_path)
+    assert not lock.exists()
+    remove_stale_lock(tmp_path)  # no lock: nothing to do

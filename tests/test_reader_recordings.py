@@ -84,8 +84,10 @@ def test_dry_run_estimates_from_the_last_logged_run(tmp_path, monkeypatch):
     from miniinfer.book import repro
 
     monkeypatch.setattr(repro, "REPRO_LOGS", tmp_path)
-    repro.log_chapter(tmp_path / "repro-abc1234.csv", "01", torch.device("cpu"), 123.4)
+    repro.log_chapter(tmp_path / "repro-abc1234.csv", "01", torch.device("cpu"), 123.4,
+                      notebook=False)
     plans = repro.reproduce_all(["01", "02"], device="cpu", dry_run=True)
     assert plans[0].logged and plans[0].estimate_s == 123.4
     assert not plans[1].logged  # no logged run: the cost model's estimate
-    assert pd.read_csv(tmp_path / "repro-abc1234.csv").chapter.tolist() == [1]
+    log = pd.read_csv(tmp_path / "repro-abc1234.csv")
+    assert log.chapter.tolist() == [1] and log.notebook.tolist() == ["no"]

@@ -87,6 +87,13 @@ def make_bench_engine(name: str, lm: LoadedModel, **options) -> Engine:
         from .peers.vllm_peer import VLLMEngine
 
         return VLLMEngine(lm)
+    from ..engines import resolve_engine
+
+    if getattr(resolve_engine(name)[0], "compiles_ahead", False):
+        # A benchmark warms every engine up at every batch size before timing it: that run
+        # compiles the buckets the timed runs meet, and only those (not every bucket a server
+        # would meet: minutes on a CPU).
+        options.setdefault("warm_up", False)
     return make_engine(name, lm, **options)
 
 

@@ -53,7 +53,7 @@ BATCH_SIZES = (1, 8)  # the issue's rows: one request alone, and a batch
 # Rounds of the target workload, in-process (each system in turn) and over HTTP: the target is
 # a ratio near 1, and one system's runs of it spread by up to a third on a shared 2-core machine
 # (ServingBenchConfig says where that was seen).
-SERVED_REPEATS = 3
+SERVED_REPEATS = 2
 # Our compiled server compiles (or loads from inductor's cache) a graph per bucket before its
 # port answers: 3-4 minutes from a warm cache on 2 cores, over 10 from a cold one.
 SERVER_START_S = 1800.0

@@ -49,8 +49,8 @@ def plan_table(chapters: list[str], plans: list[ChapterPlan], device: torch.devi
         lines.append(f"      engines: {', '.join(p.engines)}")
     total = sum(p.estimate_s for p in plans) / 60
     lines.append(f"estimated total: {total:.1f} min for {len(plans)} chapter(s) "
-                 "(logged: the last --for-book run's duration, notebook included; "
-                 "model: the cost model, recordings only)")
+                 "(logged: the last --for-book run's duration, with its notebook where the log "
+                 "says so; model: the cost model, recordings only)")
     return "\n".join(lines)
 
 
@@ -341,7 +341,8 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
 def plan_chapter(chapter: str, device: torch.device,
                  logged: dict[tuple[str, str], float] | None = None) -> ChapterPlan:
     """The chapter's plan; its estimate is the duration the last logged run took on this kind
-    of device where there is one (notebook included), else the cost model's."""
+    of device where there is one (its notebook too, where the log says so), else the
+    cost model's."""
     plan = PLANS[CHAPTERS[chapter].recording](chapter, device)
     seconds = (logged or {}).get((chapter, device.type))
     return plan if seconds is None else replace(plan, estimate_s=seconds, logged=True)

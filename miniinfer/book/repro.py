@@ -50,7 +50,7 @@ def execute_notebook(chapter: str) -> None:
 
 
 REPRO_LOGS = RESULTS_DIR / "logs"
-LOG_FIELDS = ("chapter", "device", "seconds", "finished")
+LOG_FIELDS = ("chapter", "device", "seconds", "notebook", "finished")
 # What a recording for the book may change in the tree: its own outputs.
 RECORDING_OUTPUTS = ("data/results/", "chapters/")
 
@@ -90,14 +90,15 @@ def last_logged_seconds() -> dict[tuple[str, str], float]:
     return out
 
 
-def log_chapter(path: Path, chapter: str, device: torch.device, seconds: float) -> None:
+def log_chapter(path: Path, chapter: str, device: torch.device, seconds: float,
+                notebook: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
     with open(path, "a", newline="") as f:
         writer = csv.writer(f, lineterminator="\n")
         if new:
             writer.writerow(LOG_FIELDS)
-        writer.writerow([chapter, device.type, round(seconds, 1),
+        writer.writerow([chapter, device.type, round(seconds, 1), "yes" if notebook else "no",
                          dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")])
 
 
@@ -120,7 +121,7 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
     if execute_notebook_too:
         execute_notebook(chapter)
     if for_book:
-        log_chapter(log, chapter, dev, time.perf_counter() - started)
+        log_chapter(log, chapter, dev, time.perf_counter() - started, execute_notebook_too)
 
 
 def check_chapter(chapter: str) -> str:

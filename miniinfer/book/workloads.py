@@ -21,14 +21,15 @@ def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
         # device call (see COSTS and `repro all --dry-run`).
         return default_model(device), BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
                                                   new_tokens=64, warmup=1, repeat=3)
-    # A shared CPU drifts by 10-30% within minutes and single paired ratios move by 5-12
-    # points, so 5 repeats: enough for a median ratio and a min-max spread that mean something,
-    # and the whole book still records in one sitting (`repro all --dry-run`).
-    # MINIINFER_QUICK=1 halves the decode length and keeps 3 repeats (a reader in a hurry).
+    # The book's CPU tables are one recording of every chapter in one sitting (`repro all`, at
+    # most 90 minutes on 2 cores), so a CPU run is batch 1 and 8 (what batching buys, without
+    # the middle point), 32 decode steps (enough for a median step) and 3 repeats (a median
+    # ratio and a min-max spread). MINIINFER_QUICK=1 halves the decode length (a reader in a
+    # hurry).
     quick = os.environ.get("MINIINFER_QUICK") == "1"
-    return default_model(device), BenchConfig(batch_sizes=(1, 4, 8), prompt_len=64,
-                                              new_tokens=32 if quick else 64, warmup=1,
-                                       repeat=3 if quick else 5)
+    return default_model(device), BenchConfig(batch_sizes=(1, 8), prompt_len=64,
+                                              new_tokens=16 if quick else 32, warmup=1,
+                                              repeat=3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,9 @@ class ContextSweep:
 def context_sweep(device: torch.device) -> ContextSweep:
     if device.type == "cuda":
         return ContextSweep((128, 512, 1024, 2048, 4096), new_tokens=32, profiled_steps=4)
-    # About 2 minutes per chapter on 2 cores; 2048 would more than double it (prefill).
-    return ContextSweep((128, 512, 1024))
+    # The two ends of what a 2-core CPU prefills in seconds (a batch of 8 x 1024 tokens is
+    # 8k tokens of prefill per run); 2048 would more than double the sweep.
+    return ContextSweep((128, 1024), new_tokens=8, profiled_steps=3)
 
 
 def chapter05_profile_steps(device: torch.device) -> int:
@@ -86,57 +88,58 @@ def serving_experiments(device: torch.device) -> tuple[str, dict[str, ServingBen
                                        request_rates=(4.0, 8.0, 16.0),
                                        max_num_batched_tokens=(2048,), kv_cache_bytes=kv),
         }
-    # Sized to take about 12 minutes on 2 cores. The budget sweep sends its requests all at
-    # once, so every budget is measured saturated (arriving at 1 request/s, 16 requests were
-    # arrival-bound: throughput could not move). The rate sweep starts below what every system
-    # sustains (hf-cb saturates near 1 request/s here, continuous near 3) and ends above it;
-    # 32 requests, with arrival gaps that scale with 1 / rate (one seed), keep the curves
-    # monotonic where 16 did not.
-    online = WorkloadConfig(num_requests=32, output_len=(16, 64))
+    # Sized for a few minutes on 2 cores (the whole book records in one sitting). The budget
+    # sweep sends its requests all at once, so every budget is measured saturated. The rate
+    # sweep has one rate below what every system sustains (hf-cb saturates near 1 request/s
+    # here, continuous near 3) and one above it.
+    online = WorkloadConfig(num_requests=16, output_len=(16, 64))
     return default_model(device), {
-        "target": ServingBenchConfig(WorkloadConfig(num_requests=32),
+        "target": ServingBenchConfig(WorkloadConfig(num_requests=16),
                                      ("continuous", *static, "hf-cb"),
                                      max_num_batched_tokens=(512,)),
         "budget": ServingBenchConfig(online, ("continuous",),
-                                     max_num_batched_tokens=(32, 64, 128, 256, 512)),
+                                     max_num_batched_tokens=(32, 128, 512)),
         "rate": ServingBenchConfig(online, ("continuous", "static-paged-attention", "hf-cb"),
-                                   request_rates=(1.0, 2.0, 4.0),
+                                   request_rates=(1.0, 4.0),
                                    max_num_batched_tokens=(512,)),
     }
 
 
 PREFIX_LENS = (0, 128, 256, 512, 1024)
+CPU_PREFIX_LENS = (0, 256, 1024)  # the ends and the middle: the sweep's prefills dominate a CPU
 
 
 def prefix_cache_experiments(device: torch.device) -> tuple[str, dict[str, ServingBenchConfig]]:
     """Model and the serving experiments of chapter 09 on this device (EOS ignored):
 
-    - ``shared-prefix``: the issue's target, 32 requests (128 on a GPU) arriving at once, one
+    - ``shared-prefix``: 16 requests (128 on a GPU) arriving at once, one
       512-token system prompt, 16-64-token questions, 32-96 new tokens; with ``hf-cb``;
-    - ``multi-turn``: 8 conversations (32 on a GPU) of 4 turns, messages of 16-64 tokens,
+    - ``multi-turn``: 4 conversations (32 on a GPU) of 4 turns, messages of 16-64 tokens,
       replies of 32-96, turns 5 s apart;
     - ``nothing-shared``: chapter 08's workload (prompts 16-256, 32-128 new tokens), the cost of
       the bookkeeping when no prompt shares a block;
-    - ``prefix-len``: 16 requests (64 on a GPU) at once, system prompts of 0 to 1024 tokens.
+    - ``prefix-len``: 8 requests (64 on a GPU) at once, system prompts of 0 to 1024 tokens.
     """
     gpu = device.type == "cuda"
-    scale = 4 if gpu else 1  # 4x: the chapter stays within a couple of minutes on one H100
+    # 8x on a GPU: the chapter stays within a couple of minutes on one H100, and within a few
+    # on 2 CPU cores.
+    scale = 8 if gpu else 1
     pair = ("continuous", "prefix-cache")
-    shared = WorkloadConfig(num_requests=32 * scale, prompt_len=(16, 64), output_len=(32, 96),
+    shared = WorkloadConfig(num_requests=16 * scale, prompt_len=(16, 64), output_len=(32, 96),
                             kind="shared-prefix", shared_prefix_len=512)
     options = {"max_num_batched_tokens": (2048,), "kv_cache_bytes": 8 << 30} if gpu \
         else {"max_num_batched_tokens": (512,)}
     experiments = {
         "shared-prefix": ServingBenchConfig(shared, (*pair, "hf-cb"), chapter="09", **options),
         "multi-turn": ServingBenchConfig(
-            replace(shared, kind="multi-turn", num_requests=32 * scale, turns=4, turn_gap_s=5.0),
+            replace(shared, kind="multi-turn", num_requests=16 * scale, turns=4, turn_gap_s=5.0),
             pair, chapter="09", **options),
-        "nothing-shared": ServingBenchConfig(WorkloadConfig(num_requests=32 * scale), pair,
+        "nothing-shared": ServingBenchConfig(WorkloadConfig(num_requests=16 * scale), pair,
                                              chapter="09", **options),
     }
-    for n in PREFIX_LENS:
+    for n in PREFIX_LENS if gpu else CPU_PREFIX_LENS:
         experiments[f"prefix-len-{n}"] = ServingBenchConfig(
-            replace(shared, num_requests=16 * scale, output_len=(32, 64), shared_prefix_len=n),
+            replace(shared, num_requests=8 * scale, output_len=(32, 64), shared_prefix_len=n),
             pair, chapter="09", **options)
     return default_model(device), experiments
 
@@ -148,8 +151,9 @@ TENSOR_PARALLEL = 3
 
 def server_cost_workload(device: torch.device) -> WorkloadConfig:
     """Chapter 10's server-cost measurement: each request alone, in-process and over HTTP;
-    enough of them for a p99 (at least 50), with answers short enough that one takes about a
-    second on a CPU (shorter still on a GPU, where each chapter must fit one device call)."""
+    enough of them for a p90, with answers short enough that one takes about a second on a
+    CPU (shorter still on a GPU, where each chapter must fit one device call).
+    """
     if device.type == "cuda":
         return WorkloadConfig(num_requests=50, prompt_len=(16, 128), output_len=(2, 6), seed=10)
-    return WorkloadConfig(num_requests=60, prompt_len=(16, 256), output_len=(8, 24), seed=10)
+    return WorkloadConfig(num_requests=40, prompt_len=(16, 256), output_len=(4, 12), seed=10)

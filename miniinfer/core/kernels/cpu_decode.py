@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ def load() -> str | None:
         flags = ["-O3", "-fopenmp", *isa.build_arch_flags().split(),
                  *(f"-D{macro}" for macro in isa.build_macro())]
         name = "miniinfer_cpu_decode_" + re.sub(r"\W+", "_", str(isa))  # one build per ISA
+        remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags,
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
@@ -54,6 +56,23 @@ def load() -> str | None:
         return q.new_empty(q.shape)
 
     return None
+
+
+# A build takes a minute or two; a lock older than this was left by a process killed mid-build,
+# and torch would wait on it forever.
+STALE_LOCK_S = 600
+
+
+def remove_stale_lock(build_dir: Path) -> None:
+    """Remove the build's lock file when a killed build left it behind (torch's file baton
+    waits for the file to go, with no timeout)."""
+    lock = build_dir / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            print(f"removed a stale build lock left by a killed build: {lock}")
+    except FileNotFoundError:
+        pass
 
 
 def unavailable(head_dim: int) -> str | None:
