@@ -30,11 +30,11 @@ RECORDINGS = {
 
 # The book's reference recordings, one device per kind: every table and figure a chapter shows
 # is read from these devices' files (``data/results/chNN/<slug>*.csv``); other machines' files
-# stay in the data and appear once, in the overview's "other machines" table. Chapter 11 is the
-# exception until the book is recorded again on one machine: its Zen 4 rows came from graphs
-# that computed wrong keys and values (data/results/ch11/NOTES.md), so it shows the Zen 3.
-REFERENCE_DEVICES = {"cpu": "cpu-amd-epyc-avx512", "cuda": "cuda-nvidia-h200"}
-REFERENCE_OVERRIDES = {("11", "cpu"): "cpu-amd-epyc-avx2"}
+# stay in the data and appear once, in the overview's "other machines" table. The CPU's are one
+# `repro all --for-book` run at one commit (its log: data/results/logs/repro-<commit>.csv).
+REFERENCE_DEVICES = {"cpu": "cpu-intel-xeon-avx512", "cuda": "cuda-nvidia-h200"}
+# (chapter, kind) -> a slug that chapter shows instead; none today (a test keeps the CPU's empty).
+REFERENCE_OVERRIDES: dict[tuple[str, str], str] = {}
 
 
 def reference_device(chapter: str, kind: str) -> str:
