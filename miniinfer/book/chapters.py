@@ -23,6 +23,8 @@ RECORDINGS = {
     "catching": "offline benchmark and the target workload in-process and over HTTP, beside "
                 "vLLM (the lab notes' probes with MINIINFER_CH11_PROBES=1)",
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
+    "quantized": "offline benchmark and, where `make peers-llama` built it, llama.cpp on the same "
+                 "GGUF (Q4_1, Q8_0, F32)",
     "speculative": "input-grounded and open-ended chat prompts at batch 1 and served, beside "
                    "transformers' prompt lookup",
 }
@@ -133,7 +135,9 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
     Chapter("13", "13_quantized_weights",
             "Weights as they ship: int4 and int8, compiled, against llama.cpp",
             stages=("quantized",),
-            modules=("miniinfer.runner.quantized", "miniinfer.bench.quality"),
+            modules=("miniinfer.runner.quantized", "miniinfer.bench.quality",
+                     "miniinfer.bench.peers.llama_cpp", "miniinfer.book.quantization"),
+            recording="quantized",
             # Eager: the compiled variants autotune every bucket's int8/int4 GEMMs (minutes a
             # bucket on 2 cores), more than the chapter's recording has.
             engines=("hf", "continuous", "quantized:int8-eager", "quantized:int4-eager")),

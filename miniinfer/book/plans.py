@@ -320,6 +320,20 @@ def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device:
 
 
 # A chapter's `recording` in the registry -> its plan: (chapter, device) -> ChapterPlan.
+def chapter13_plan(device: torch.device) -> ChapterPlan:
+    """The offline benchmark, then (on a CPU, where built) llama.cpp: three formats, each a
+    process per repeat running every batch size (its F32 run about as long as an fp32 stage's,
+    the others shorter: counted as three fp32 runs, an upper bound)."""
+    plan = bench_chapter_plan("13", device)
+    if device.type != "cpu":
+        return plan
+    _, config = default_workload(device)
+    peer = 3 * config.repeat * sum(device_costs(device).generate("hf", b, config.prompt_len,
+                                                                 config.new_tokens)
+                                   for b in config.batch_sizes)
+    return replace(plan, engines=(*plan.engines, "llama.cpp"), estimate_s=plan.estimate_s + peer)
+
+
 PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "none": lambda chapter, device: ChapterPlan("-", "-", (), (), "none", 0, 0.0),
     "bench": bench_chapter_plan,
@@ -334,6 +348,7 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "server": lambda chapter, device: chapter10_plan(device),
     "catching": lambda chapter, device: chapter11_plan(device),
     "parallel": lambda chapter, device: chapter12_plan(device),
+    "quantized": lambda chapter, device: chapter13_plan(device),
     "speculative": lambda chapter, device: chapter14_plan(device),
 }
 

@@ -22,6 +22,7 @@ from .catching import run_chapter11
 from .chapters import CHAPTERS
 from .client_bench import record_vllm_bench_serve
 from .parallel import run_chapter12
+from .quantization import run_chapter13
 from .serving_records import record_serving
 from .speculation import record_speculation
 from .workloads import (
@@ -396,5 +397,6 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "server": lambda chapter, device: run_chapter10(device),
     "catching": lambda chapter, device: run_chapter11(device),  # book/catching.py
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
+    "quantized": lambda chapter, device: run_chapter13(device),  # book/quantization.py
     "speculative": lambda chapter, device: [record_speculation(device)],  # book/speculation.py
 }

@@ -1,0 +1,68 @@
+"""Chapter 13's recording: our weight-only int8/int4 stages (the offline benchmark), then, where
+``make peers-llama`` has built it, llama.cpp on the same weights: the shipped Q4_1 GGUF and the
+Q8_0 and F32 files its quantizer makes from it, at the benchmark's batch sizes and lengths ->
+``<device>-llama-cpp.csv``. Each format's floor is its bytes read once per decode step at the
+device's measured bandwidth (every weight is read once a step, whatever the batch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from ..bench.peers import PeerMissingError, llama_cpp
+from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
+from ..core.models import _smollm2_gguf, cache_dir, resolve_device
+from .workloads import default_workload
+
+
+def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataFrame:
+    """llama.cpp's decode tok/s per format and batch size, with each format's floor."""
+    _, config = default_workload(device)
+    speed = device_speed(device, store=True)
+    threads = torch.get_num_threads()
+    shipped = _smollm2_gguf()
+    rows = []
+    for ours, fmt in llama_cpp.FORMATS.items():
+        model = llama_cpp.gguf_file(ours, shipped, cache_dir() / "llama.cpp")
+        size = model.stat().st_size
+        floor_ms = size / speed.bandwidth * 1e3
+        for r in llama_cpp.batched_bench(model, config.batch_sizes, config.prompt_len,
+                                         config.new_tokens, threads, repeats or config.repeat):
+            rows.append({"chapter": "13", "system": llama_cpp.LLAMA_CPP, "format": fmt,
+                         "ours": ours, **r, "prompt_len": config.prompt_len,
+                         "new_tokens": config.new_tokens, "repeats": repeats or config.repeat,
+                         "threads": threads, "file_mb": size / 1e6, "floor_ms": floor_ms,
+                         "pct_of_floor": 100 * r["decode_tok_s"] / (r["batch_size"] / floor_ms * 1e3),
+                         "bandwidth_gbs": speed.bandwidth_gbs,
+                         "peer_version": llama_cpp.version()})
+    meta = {k: v for k, v in run_metadata(device).items() if k != "threads"}
+    return pd.DataFrame(rows).assign(**meta)
+
+
+def record_llama_cpp(device: torch.device) -> list[Path]:
+    """``<device>-llama-cpp.csv`` when llama.cpp is built; otherwise says why, writes nothing."""
+    try:
+        llama_cpp.find_llama_cpp()
+    except PeerMissingError as missing:
+        print(f"chapter 13 records our rows only: {missing}")
+        return []
+    df = llama_cpp_rows(device)
+    out = recording_root() / "ch13" / f"{device_slug(device)}-llama-cpp.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(df[["format", "batch_size", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max",
+              "pct_of_floor"]].round(1).to_string(index=False))
+    print(f"wrote {out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out}")
+    return [out]
+
+
+def run_chapter13(device: str | torch.device | None = "auto") -> list[Path]:
+    from .recordings import run_chapter_bench
+
+    dev = resolve_device(device)
+    written = [run_chapter_bench("13", dev)]
+    if dev.type == "cpu":  # llama.cpp is built for this CPU only
+        written += record_llama_cpp(dev)
+    return written
