@@ -405,11 +405,14 @@ def test_chapter_00_has_the_glossary():
 def test_every_recorded_table_names_its_machine_dtype_versions_and_commit():
     """Every figure traces to a device, a dtype, the software and the commit that measured it:
     each recorded CSV carries those columns (devices.csv, the speed-of-light table, is keyed by
-    device and says its dtype in ``how_measured``)."""
+    device and says its dtype in ``how_measured``; a repro log, named by its commit, times
+    chapters and measures nothing)."""
+    from miniinfer.book.repro import REPRO_LOGS
     from miniinfer.book.results import RESULTS
 
     needed = {"device", "device_name", "dtype", "torch", "git_sha", "date"}
-    files = [p for p in sorted(RESULTS.rglob("*.csv")) if p.name != "devices.csv"]
+    files = [p for p in sorted(RESULTS.rglob("*.csv"))
+             if p.name != "devices.csv" and p.parent != REPRO_LOGS]
     assert files
     missing = {str(p.relative_to(RESULTS)): sorted(needed - set(pd.read_csv(p, nrows=0).columns))
                for p in files}

@@ -37,3 +37,14 @@ def test_the_cpu_tables_come_from_one_clean_commit_whose_log_is_committed():
     logged = logged_seconds(REPRO_LOGS / f"repro-{sha}.csv")
     assert {chapter for chapter, kind in logged if kind == "cpu"} >= set(RECORDED), \
         f"the repro log of {sha} lacks chapters"
+
+
+def test_every_table_names_its_cpu_and_instruction_set_once():
+    """Chapter 07's timelines carry the CPU's label as written; read back, it is not labelled
+    a second time ("Intel(R) Xeon(R) Processor (AVX512) (AVX512)")."""
+    from miniinfer.book.results import RESULTS
+
+    for path in sorted(RESULTS.rglob("cpu-*.csv*")):
+        names = read_results(path).get("device_name")
+        if names is not None:
+            assert not names.str.contains(r"\(\w+\) \(\w+\)$").any(), path.name

@@ -212,7 +212,6 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     from ..bench.offline import make_prompts
     from ..bench.profiling import profile_decode, timeline
     from ..engines import make_engine
-    from . import read_results
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
@@ -228,7 +227,8 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
     # Gzipped: a GPU's bars are one row per kernel (7.8 MB of CSV on an H200, 0.25 MB zipped).
     path = recording_root() / "ch07" / "timeline" / f"{device_slug(dev)}.csv.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = read_results(bench_path).iloc[0][["model", "dtype", "device", "device_name", "isa",
+    # The CSV as written (read_results would label the CPU's name with its ISA a second time).
+    meta = pd.read_csv(bench_path, dtype=str).iloc[0][["model", "dtype", "device", "device_name", "isa",
                                             "torch", "git_sha", "date"]].to_dict()
     pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")

@@ -37,8 +37,11 @@ def device_name(device: torch.device) -> str:
 
 
 def cpu_label(name: str, isa: str) -> str:
-    """A CPU as the book's tables name it, its name and instruction set: "AMD EPYC (AVX2)"."""
-    return f"{name} ({isa})"
+    """A CPU as the book's tables name it, its name and instruction set: "AMD EPYC (AVX2)"
+    (a name that has it already is left as it is: chapter 07's timelines were once written
+    with the label)."""
+    label = f" ({isa})"
+    return name if name.endswith(label) else name + label
 
 
 def device_label(device: torch.device) -> str:
