@@ -156,3 +156,15 @@ def test_int4_is_refused_off_the_cpu(tiny):
                       tiny.eos_token_id, tiny.pad_token_id)
     with pytest.raises(MiniInferError, match="CPU"):
         make_engine("quantized:int4-eager", fake)
+
+
+def test_a_quantized_rows_floor_is_its_own_bytes_not_the_fp32_models(smollm2):
+    """The benchmark's floor for an int4 stage is what its step reads (codes and scales): a
+    fraction of the fp32 floor hf's row has in the same run."""
+    from miniinfer.bench.offline import BenchConfig, run_bench
+
+    config = BenchConfig(("hf", "quantized:int4-eager"), (1,), prompt_len=8, new_tokens=2,
+                         warmup=0, repeat=1)
+    rows = run_bench(smollm2, config).set_index("engine")
+    int4, fp32 = rows.loc["quantized:int4-eager"], rows.loc["hf"]
+    assert int4.floor_memory_ms < fp32.floor_memory_ms / 3

@@ -154,10 +154,12 @@ def run_bench(lm: LoadedModel, config: BenchConfig,
                         runs[name].append(run_metrics(result, batch_size, config.new_tokens))
                         bar.update()
             load.warn(f"batch size {batch_size}")
-            # Mid-decode context length stands for the average step.
-            floor = decode_floor(lm, batch_size, config.prompt_len + config.new_tokens // 2,
-                                 speed.bandwidth, speed.peak_flops)
             for name, measured in runs.items():
+                # Mid-decode context length stands for the average step; a stage with smaller
+                # weights (chapter 13's) has its own floor.
+                floor = decode_floor(lm, batch_size, config.prompt_len + config.new_tokens // 2,
+                                     speed.bandwidth, speed.peak_flops,
+                                     getattr(engines[name], "weight_bytes", None))
                 p50 = {k: statistics.median(r[k] for r in measured) for k in measured[0]}
                 if "hf" in runs:
                     p50.update(paired_pct(measured, runs["hf"]))

@@ -365,14 +365,17 @@ def kv_bytes_per_token(lm: LoadedModel) -> int:
 
 
 def decode_floor(lm: LoadedModel, batch_size: int, context_len: int, bandwidth: float,
-                 peak_flops: float = float("nan")) -> DecodeFloor:
+                 peak_flops: float = float("nan"), weight_bytes: int | None = None
+                 ) -> DecodeFloor:
     """Floor for a step at ``context_len`` cached tokens per request: all weights read once,
     plus every request's K and V for every layer; and 2 FLOPs per weight per token (a
     multiply-add; the embedding table counts once, as the tied LM head's matmul) plus attention's
-    2 FLOPs per cached K (or V) element per query head sharing it."""
+    2 FLOPs per cached K (or V) element per query head sharing it. ``weight_bytes``: what a
+    step of a stage with smaller weights reads instead (int8, int4 codes and their scales); its
+    FLOPs stay the model's."""
     cfg = lm.config
     kv = kv_bytes_per_token(lm) * batch_size * context_len
     itemsize = torch.empty((), dtype=lm.dtype).element_size()
     heads_per_kv = cfg.num_attention_heads // cfg.num_key_value_heads
     flops = 2 * batch_size * lm.weight_bytes / itemsize + 2 * heads_per_kv * kv / itemsize
-    return DecodeFloor(lm.weight_bytes, kv, bandwidth, flops, peak_flops)
+    return DecodeFloor(weight_bytes or lm.weight_bytes, kv, bandwidth, flops, peak_flops)

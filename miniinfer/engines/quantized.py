@@ -18,7 +18,7 @@ from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from ..core.models import LoadedModel
 from ..runner import ModelRunner
 from ..runner.direct import DirectForward
-from ..runner.quantized import quantized
+from ..runner.quantized import quantized, weight_bytes
 from .continuous import ContinuousEngine
 
 if TYPE_CHECKING:  # imported when a forward is built: loading inductor costs seconds
@@ -71,5 +71,7 @@ class QuantizedEngine(ContinuousEngine):
                                              quantized_compile_options(compile_options))
             runner.forward_name = "compiled"
         super().__init__(lm, runner=runner, **options)
+        # What a decode step reads (codes and scales): its bandwidth floor, not the fp32 one.
+        self.weight_bytes = weight_bytes(model)
         if warm_up and not eager:
             runner.forward.warm_up()
