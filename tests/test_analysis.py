@@ -400,10 +400,12 @@ def test_ch06_ch07_host_share_is_what_chapter_05_recorded():
         assert r.host_ms == pytest.approx(ms.ms_per_step["decode_step"]
                                           - ms.ms_per_step["model_forward"])
     on_cpu = phases[phases.device.astype(str).str.startswith("cpu")]
-    # Chapters 06 and 07 say the host's share on a CPU is under 5% of a step.
-    assert (profiles.host_share(on_cpu).host_pct < 5).all()
-    line = profiles.host_share_sentences(phases)[0]
-    assert f"at most {share.host_pct.max():.1f}% of a step" in line
+    # Chapters 05 and 07 say the host's share on a CPU is under 6% of a step (5.7% at batch 8
+    # on the reference Xeon).
+    assert (profiles.host_share(on_cpu).host_pct < 6).all()
+    for line, (name, dev) in zip(profiles.host_share_sentences(phases),
+                                 share.groupby(level="device_name", sort=False), strict=True):
+        assert line.startswith(name) and f"at most {dev.host_pct.max():.1f}% of a step" in line
 
 
 @pytest.mark.parametrize("engine,gathers", [("paged-attention", True), ("paged-prealloc", False)])

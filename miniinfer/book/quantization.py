@@ -13,7 +13,7 @@ import torch
 
 from ..bench.peers import PeerMissingError, llama_cpp
 from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
-from ..core.models import _smollm2_gguf, cache_dir, resolve_device
+from ..core.models import _smollm2_gguf, cache_dir
 from .workloads import default_workload
 
 
@@ -42,7 +42,10 @@ def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataF
 
 
 def record_llama_cpp(device: torch.device) -> list[Path]:
-    """``<device>-llama-cpp.csv`` when llama.cpp is built; otherwise says why, writes nothing."""
+    """``<device>-llama-cpp.csv`` when llama.cpp is built (for this CPU: on a GPU machine,
+    nothing); otherwise says why, writes nothing."""
+    if device.type != "cpu":
+        return []
     try:
         llama_cpp.find_llama_cpp()
     except PeerMissingError as missing:
@@ -56,13 +59,3 @@ def record_llama_cpp(device: torch.device) -> list[Path]:
               "pct_of_floor"]].round(1).to_string(index=False))
     print(f"wrote {out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out}")
     return [out]
-
-
-def run_chapter13(device: str | torch.device | None = "auto") -> list[Path]:
-    from .recordings import run_chapter_bench
-
-    dev = resolve_device(device)
-    written = [run_chapter_bench("13", dev)]
-    if dev.type == "cpu":  # llama.cpp is built for this CPU only
-        written += record_llama_cpp(dev)
-    return written

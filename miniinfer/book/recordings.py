@@ -1,6 +1,5 @@
-"""Each chapter's recording: runs on this machine whose results go to
-``data/results/chNN/<device-slug>*.csv``. :data:`RECORDERS` maps a chapter's ``recording``
-(in the chapter registry) to the function that records it."""
+"""Each chapter's recording, into ``data/results/chNN/<device-slug>*.csv``: :data:`RECORDERS`
+maps a chapter's ``recording`` (in the chapter registry) to the function that records it."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from .catching import run_chapter11
 from .chapters import CHAPTERS
 from .client_bench import record_vllm_bench_serve
 from .parallel import run_chapter12
-from .quantization import run_chapter13
+from .quantization import record_llama_cpp
 from .serving_records import record_serving
 from .speculation import record_speculation
 from .workloads import (
@@ -223,13 +222,12 @@ def run_chapter07(device: str | torch.device | None = "auto") -> list[Path]:
         if name.startswith("async") or name == "paged-attention":
             trace = profile_decode(make_engine(name, lm), prompts, steps=4)
             bars.append(timeline(trace).assign(engine=name, batch_size=8))
-    # A folder of its own: the chapter's benchmark CSVs are every *.csv directly in ch07/.
-    # Gzipped: a GPU's bars are one row per kernel (7.8 MB of CSV on an H200, 0.25 MB zipped).
+    # A folder of its own (the chapter's benchmark CSVs are every *.csv in ch07/), gzipped (a
+    # GPU's bars are a row per kernel). Its metadata as written: read_results labels the CPU.
     path = recording_root() / "ch07" / "timeline" / f"{device_slug(dev)}.csv.gz"
     path.parent.mkdir(parents=True, exist_ok=True)
-    # The CSV as written (read_results would label the CPU's name with its ISA a second time).
-    meta = pd.read_csv(bench_path, dtype=str).iloc[0][["model", "dtype", "device", "device_name", "isa",
-                                            "torch", "git_sha", "date"]].to_dict()
+    meta = pd.read_csv(bench_path, dtype=str).iloc[0][[
+        "model", "dtype", "device", "device_name", "isa", "torch", "git_sha", "date"]].to_dict()
     pd.concat(bars, ignore_index=True).assign(**meta).to_csv(path, index=False)
     print(f"wrote {path.relative_to(REPO_ROOT)}")
     return [bench_path, path]
@@ -397,6 +395,6 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "server": lambda chapter, device: run_chapter10(device),
     "catching": lambda chapter, device: run_chapter11(device),  # book/catching.py
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
-    "quantized": lambda chapter, device: run_chapter13(device),  # book/quantization.py
+    "quantized": lambda ch, dev: [run_chapter_bench(ch, dev), *record_llama_cpp(dev)],
     "speculative": lambda chapter, device: [record_speculation(device)],  # book/speculation.py
 }
