@@ -247,8 +247,8 @@ def test_decodes_and_chunks_use_their_own_kernels(tiny, monkeypatch):
 
     spied = type(backend)(backend.name, spy("decode", backend.decode),
                           spy("varlen", backend.varlen))
-    monkeypatch.setattr(engine.runner, "backend", spied)
-    monkeypatch.setattr(engine.runner, "prefill_backend", spied)
+    monkeypatch.setattr(engine.runner.attention, "backend", spied)
+    monkeypatch.setattr(engine.runner.attention, "prefill_backend", spied)
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
     engine.add_request([5, 6, 7], params)
     engine.step()  # prefill of 3 tokens

@@ -16,7 +16,7 @@ from miniinfer import SamplingParams, load_model, make_engine
 from miniinfer.core.errors import MiniInferError
 from miniinfer.core.kernels import cpu_decode
 from miniinfer.runner import compiled, compiled_attention
-from miniinfer.runner.compiled import CompiledForward, CompileOptions, token_block_tables
+from miniinfer.runner.compiled import CompiledForward, CompileOptions
 from miniinfer.runner.compiled_attention import segment_attention
 from miniinfer.runner.model import load
 from miniinfer.runner.onednn_linear import (
@@ -81,11 +81,11 @@ class Compared:
         self.eager, self.compiled = eager, compiled
         self.calls: list[tuple[int, int, float]] = []  # (tokens, logits rows, max abs diff)
 
-    def __call__(self, input_ids, position_ids, metadata, logits_rows=None):
-        expected = self.eager(input_ids, position_ids, metadata, logits_rows)
-        logits = self.compiled(input_ids, position_ids, metadata, logits_rows)
+    def __call__(self, batch):
+        expected = self.eager(batch)
+        logits = self.compiled(batch)
         assert logits.shape == expected.shape
-        self.calls.append((len(input_ids), len(logits),
+        self.calls.append((batch.num_tokens, len(logits),
                            float((logits - expected).abs().max())))
         torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
         return logits
@@ -255,9 +255,7 @@ def test_a_step_runs_as_the_cheapest_chunks_of_buckets(tiny):
         assert cost(sizes) <= cost([512] * (n // 512) + [n % 512] * (n % 512 > 0))
 
 
-def test_rejects_metadata_it_cannot_read_and_bad_buckets():
-    with pytest.raises(MiniInferError, match="PagedAttentionMetadata or MixedBatchMetadata"):
-        token_block_tables(object())
+def test_rejects_bad_buckets():
     for buckets in ((), (4, 2), (0, 1), (2, 2)):
         with pytest.raises(MiniInferError, match="token_buckets"):
             CompileOptions(token_buckets=buckets)

@@ -8,6 +8,8 @@ transformers), so the equality tests share one TP=2 group."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -24,18 +26,13 @@ from miniinfer import (
     load_model,
     make_engine,
 )
-from miniinfer.runner import MixedBatchMetadata
-from miniinfer.runner.direct import DirectForward
+from miniinfer.runner import StepBatch
 from miniinfer.runner.tensor_parallel import (
     HEADER_LEN,
     RankFailure,
     ShardLayout,
     TensorParallelForward,
-    allocate_kv_pool,
-    pack_step,
-    payload_len,
     shard_layout,
-    unpack_step,
     weights_fingerprint,
 )
 from miniinfer.runner.tensor_parallel_costs import (
@@ -52,17 +49,22 @@ SAMPLED = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=1.0, see
 LOGITS_ATOL = 1e-4
 
 
+# The engine's own direct forward (over its own pool), the reference the TP runs are held to.
+DIRECT = "direct"
+
+
 class Recording:
-    """A forward that keeps every step's metadata and logits on the way through."""
+    """A forward that keeps a copy of every step batch and its logits on the way through."""
 
     def __init__(self, forward) -> None:
         self.forward = forward
-        self.steps: list[tuple[torch.Tensor, torch.Tensor, object]] = []
+        self.steps: list[StepBatch] = []
         self.logits: list[torch.Tensor] = []
 
-    def __call__(self, input_ids, position_ids, metadata, logits_rows=None):
-        logits = self.forward(input_ids, position_ids, metadata, logits_rows)
-        self.steps.append((input_ids.clone(), position_ids.clone(), metadata))
+    def __call__(self, batch: StepBatch):
+        logits = self.forward(batch)
+        # A copy: the engine stages the next step's tensors in the same buffer.
+        self.steps.append(copy.deepcopy(batch))
         self.logits.append(logits.clone())
         return logits
 
@@ -74,7 +76,8 @@ def prompts_for(lm, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def paged_run(lm, forward, prompts, params) -> tuple[list[list[int]], Recording]:
     engine = make_engine("paged-attention", lm, forward="direct", **POOL)
-    engine.runner.forward = recording = Recording(forward)
+    own = engine.runner.forward
+    engine.runner.forward = recording = Recording(own if forward == DIRECT else forward)
     return engine.generate(prompts, params).token_ids, recording
 
 
@@ -82,7 +85,8 @@ def continuous_run(lm, forward) -> tuple[dict, Recording]:
     """Several requests arriving at different steps, prompts chunked by a 24-token budget, so
     that steps mix decodes with prompt chunks; one request samples."""
     engine = make_engine("continuous", lm, forward="direct", max_num_batched_tokens=24, **POOL)
-    engine.runner.forward = recording = Recording(forward)
+    own = engine.runner.forward
+    engine.runner.forward = recording = Recording(own if forward == DIRECT else forward)
     prompts = prompts_for(lm, [40, 5, 17, 30], seed=1)
     arrivals = {0: [0, 1], 2: [2], 5: [3]}
     params = {0: GREEDY, 1: SAMPLED, 2: GREEDY, 3: GREEDY}
@@ -158,7 +162,7 @@ def test_every_rank_holds_the_kv_heads_its_query_heads_read(kv_heads, group):
 
 def test_tp1_is_direct_forward_bit_for_bit(tiny):
     prompts = prompts_for(tiny, [9, 23])
-    ref_tokens, ref = paged_run(tiny, DirectForward(tiny.model), prompts, GREEDY)
+    ref_tokens, ref = paged_run(tiny, DIRECT, prompts, GREEDY)
     tokens, ours = paged_run(tiny, TensorParallelForward(tiny, 1, **POOL), prompts, GREEDY)
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(ours.logits, ref.logits, strict=True))
@@ -175,32 +179,21 @@ def test_weights_fingerprint_tells_a_changed_tensor(tiny):
     assert [names[i] for i in differs.nonzero()[:, 0]] == ["model.layers.1.mlp.up_proj.weight"]
 
 
-def test_pack_then_unpack_gives_the_engines_metadata(tiny):
-    _, recording = continuous_run(tiny, DirectForward(tiny.model))
-    kv = allocate_kv_pool(tiny.config, shard_layout(tiny.config, 2), 4, 16, tiny.dtype,
-                          tiny.device)
+def test_pack_then_unpack_gives_the_engines_step_batch(tiny):
+    _, recording = continuous_run(tiny, DIRECT)
     kinds = set()
-    for ids, positions, metadata in recording.steps:
-        header, payload = pack_step(ids, positions, metadata)
-        assert len(header) == HEADER_LEN and payload.numel() == payload_len(header)
-        ids2, positions2, unpacked = unpack_step(header, payload, kv)
-        assert torch.equal(ids2, ids.long()) and torch.equal(positions2, positions.long())
-        assert type(unpacked) is type(metadata)
-        pairs = [(metadata, unpacked)]
-        if isinstance(metadata, MixedBatchMetadata):
-            assert unpacked.num_decodes == metadata.num_decodes
-            pairs = [(metadata.decodes, unpacked.decodes), (metadata.chunks, unpacked.chunks)]
-            kinds.add((metadata.decodes is not None, metadata.chunks is not None))
-        for sent, got in pairs:
-            assert (sent is None) == (got is None)
-            if sent is None:
-                continue
-            assert got.kv is kv and got.backend is sent.backend
-            for field in ("block_tables", "context_lens", "slot_mapping", "cu_seqlens_q"):
-                a, b = getattr(sent, field), getattr(got, field)
-                assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype)
-            assert (got.max_seqlen_q, got.max_context_len) == (sent.max_seqlen_q,
-                                                               sent.max_context_len)
+    for batch in recording.steps:
+        header, payload = batch.pack()
+        assert len(header) == HEADER_LEN - 1 and payload.numel() == StepBatch.payload_len(header)
+        got = StepBatch.unpack(header, payload)
+        for field in dataclasses.fields(StepBatch):
+            sent, back = getattr(batch, field.name), getattr(got, field.name)
+            if isinstance(sent, torch.Tensor):
+                assert torch.equal(back, sent.to(back.dtype)), field.name
+                assert back.shape == sent.shape, field.name
+            else:
+                assert back == sent, field.name
+        kinds.add((batch.num_decodes > 0, batch.num_chunks > 0))
     assert kinds == {(True, False), (False, True), (True, True)}, "every kind of step was sent"
 
 
@@ -218,7 +211,7 @@ def tp2(tiny):
 class TestOneSharedTP2Group:
     def test_tp2_paged_attention_equals_tp1(self, tiny, tp2):
         prompts = prompts_for(tiny, [9, 23, 1, 16])
-        direct = DirectForward(tiny.model)
+        direct = DIRECT
         for params in (GREEDY, SAMPLED):
             ref_tokens, ref = paged_run(tiny, direct, prompts, params)
             tokens, ours = paged_run(tiny, tp2, prompts, params)
@@ -228,14 +221,13 @@ class TestOneSharedTP2Group:
         assert all(alive(pid) for pid in tp2.pids) and len(tp2.pids) == 1
 
     def test_tp2_continuous_with_several_requests_equals_tp1(self, tiny, tp2):
-        ref_finished, ref = continuous_run(tiny, DirectForward(tiny.model))
+        ref_finished, ref = continuous_run(tiny, DIRECT)
         finished, ours = continuous_run(tiny, tp2)
         assert sorted(finished) == [0, 1, 2, 3]
         for rid, request in finished.items():
             assert request.output_ids == ref_finished[rid].output_ids, f"request {rid}"
             assert request.finish_reason == ref_finished[rid].finish_reason
-        mixed = [m for _, _, m in ours.steps if isinstance(m, MixedBatchMetadata)
-                 and m.decodes is not None and m.chunks is not None]
+        mixed = [b for b in ours.steps if b.num_decodes and b.num_chunks]
         assert mixed, "some step carried decodes and prompt chunks together"
         assert_same_logits(ours, ref)
 
@@ -268,7 +260,7 @@ def test_the_tensor_parallel_engine_holds_one_pool_on_rank_0_of_its_own_kv_heads
 def test_tp4_replicates_kv_heads_and_equals_tp1(tiny):
     # tiny has 4 heads and 2 KV heads: at TP=4 each KV head lives on 2 ranks.
     prompts = prompts_for(tiny, [12, 3, 20])
-    ref_tokens, ref = paged_run(tiny, DirectForward(tiny.model), prompts, SAMPLED)
+    ref_tokens, ref = paged_run(tiny, DIRECT, prompts, SAMPLED)
     with TensorParallelForward(tiny, 4, **POOL) as tp4:
         assert tp4.layout.kv_replicas == 2 and tp4.kv[0][0].shape[2] == 1
         pids = tp4.pids
@@ -287,9 +279,9 @@ class BeforeRank0Computes:
     def __init__(self, shard, action) -> None:
         self.shard, self.action = shard, action
 
-    def __call__(self, *args):
+    def __call__(self, batch):
         self.action()
-        return self.shard(*args)
+        return self.shard(batch)
 
 
 def test_a_rank_killed_mid_step_fails_the_run_naming_it(tiny):

@@ -64,3 +64,20 @@ def test_compiled_stage_matches_hf_under_cuda_graphs():
     for batch in (prompts[:1], prompts):
         assert engine.generate(batch, params).token_ids == want[:len(batch)]
     assert engine.runner.forward.num_compiles == compiled  # no step recompiled
+
+
+def test_continuous_engine_replays_captured_decode_steps_with_hf_tokens(qwen_bf16):
+    """The serving engine's decode steps under the runner's CUDA graphs (issue 67): greedy
+    tokens equal hf's on the fp32 model of Qwen2.5-7B's layout, with ragged prompts (the batch
+    shrinks and grows as requests finish), and decode buckets were captured."""
+    from miniinfer.bench.equality import equality_model
+    from miniinfer.engines import make_engine
+
+    lm = equality_model(qwen_bf16)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    prompts = ragged_prompts()
+    want = make_engine("hf", lm).generate(prompts, params).token_ids
+    engine = make_engine("continuous", lm)
+    assert engine.runner.decode_graphs is not None, "auto: graphs on a GPU with Triton"
+    assert engine.generate(prompts, params).token_ids == want
+    assert engine.runner.decode_graphs.graphs, "some decode step replayed a captured graph"

@@ -27,6 +27,7 @@ from miniinfer.core.kernels import BACKENDS, flash, get_backend, reference, trit
 from miniinfer.core.kv_cache import DEFAULT_BLOCK_SIZE
 from miniinfer.core.sampling import make_generator, sample
 from miniinfer.engines import async_loop
+from miniinfer.runner.cuda_graphs import GRAPH_BUCKETS, DecodeGraphs
 
 try:  # the compile tests use Triton's compiler API (triton 3.x)
     import triton
@@ -195,6 +196,34 @@ def test_graph_captured_function_reads_nothing_from_the_device(tiny, backend_stu
     assert logits.shape == (4, tiny.config.vocab_size)
 
 
+@pytest.mark.parametrize("backend", ["triton", "flash-attn"])
+def test_the_serving_engines_decode_buckets_read_nothing_from_the_device(tiny, backend_stubs,
+                                                                          backend):
+    # What the runner captures for continuous batching (miniinfer.runner.cuda_graphs): every
+    # bucket's static step run as its capture runs it, and a real step replayed into it.
+    engine = make_engine("continuous", tiny, forward="direct", attention_backend=backend)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.kv_cache, tiny.max_context, emulate=True)
+    graphs.forward = runner.forward
+    for prompt in ([5, 6, 7], list(range(20, 53)), [9] * 16):
+        engine.add_request(prompt, GREEDY)
+    engine.step()  # the prompts
+    with torch.inference_mode():  # as the engine's step runs
+        step, _ = runner.prepare_step(engine.scheduler.schedule())
+    assert graphs.fits(step) and step.num_tokens == 3
+    with torch.inference_mode():
+        for size in GRAPH_BUCKETS:
+            static = graphs.static(size)
+            with no_host_reads():
+                for _ in range(3):  # capture runs it once; the warm-up before it twice
+                    assert static.run().shape == (size, tiny.config.vocab_size)
+        with no_host_reads():
+            logits = graphs.replay(runner.forward, step)
+    assert logits.shape == (3, tiny.config.vocab_size)
+    if backend == "triton":
+        assert backend_stubs.launches > 0
+
+
 def test_the_reference_decode_reads_the_device_without_a_bound(tiny, backend_stubs):
     # The check above is not vacuous: the paged-attention engine's own decode plan (no host
     # bound) does read the context lens back.
@@ -202,11 +231,11 @@ def test_the_reference_decode_reads_the_device_without_a_bound(tiny, backend_stu
     engine.kv_cache.block_manager.add(async_loop.SCRATCH_REQUEST, engine.kv_cache.block_size)
     scratch = engine.kv_cache.block_manager.block_tables[async_loop.SCRATCH_REQUEST][0]
     state = async_loop.graph_state(engine, 2, scratch)
-    inputs, metadata = engine.prepare_inputs(state, torch.tensor([1, 2]))
-    metadata.max_context_len = None
+    step = engine.prepare_inputs(state, torch.tensor([1, 2]))
+    step.max_context_len = None
     with torch.inference_mode(), pytest.raises(HostReadError, match="host read"), \
             no_host_reads():
-        engine.model_forward(inputs, metadata)
+        engine.model_forward(step)
 
 
 def test_reference_masks_stale_positions_as_it_lists_them(monkeypatch):

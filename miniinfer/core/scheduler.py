@@ -275,6 +275,26 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
+    def set_aside(self) -> list[Request]:
+        """Preempt every running request and empty the waiting queue -> every unfinished
+        request, oldest first, none scheduled until :meth:`put_back` (a server isolating a
+        failing request runs suspects alone in between)."""
+        for request in reversed(list(self.running)):  # the oldest ends up first
+            self.preempt(request)
+        requests = list(self.waiting)
+        self.waiting.clear()
+        return requests
+
+    def take_out(self, request: Request) -> None:
+        """A request out of the queues (preempted first if running), until :meth:`put_back`."""
+        if request.status is RequestStatus.RUNNING:
+            self.preempt(request)
+        self.waiting.remove(request)
+
+    def put_back(self, requests: list[Request]) -> None:
+        """Requests set aside or taken out wait again, in this order, after those waiting."""
+        self.waiting.extend(requests)
+
     def finish(self, request: Request, reason: FinishReason, now: float) -> None:
         """Take a request out of its queue; a running one gives its blocks back at once."""
         if request.status is RequestStatus.RUNNING:

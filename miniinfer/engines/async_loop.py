@@ -50,15 +50,12 @@ from ..core.kv_cache import blocks_for
 from ..core.models import LoadedModel
 from ..core.ranges import READ_TOKENS, phase
 from ..core.sampling import SamplingParams, make_generator, sample
-from ..runner import PagedAttentionMetadata
+from ..runner import StepBatch, decode_batch
+from ..runner.cuda_graphs import GRAPH_BUCKETS, SCRATCH_REQUEST, capture, capture_unworthy_reason
 from .base import GenerationResult, StepClock, trim_at_eos
 from .paged_attention import PagedAttentionEngine
 
 LOOPS = ("sync", "overlap", "cuda-graph")
-# Batch sizes a decode graph is captured for; a batch runs in the smallest that holds it.
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# The KV blocks padding rows of a graph bucket read and write (taken from the pool once).
-SCRATCH_REQUEST = "cuda-graph scratch"
 
 
 @dataclass(slots=True)
@@ -86,12 +83,10 @@ def choose_loop(loop: str, device: torch.device, backend: AttentionBackend) -> t
         return loop, loop
     if not cuda:  # streams and graphs are CUDA's
         return loop, "overlap"
-    if backend.plan_decode is not None:
-        # The torch reference (a GPU without a working Triton) is capture-safe only by
-        # gathering every block of the table in every step: far slower than not capturing.
-        warnings.warn(f"async: attention backend {backend.name!r} is not worth capturing in a "
-                      f"CUDA graph; running loop 'overlap' instead", RuntimeWarning,
-                      stacklevel=3)
+    reason = capture_unworthy_reason(device, backend)
+    if reason is not None:
+        warnings.warn(f"async: {reason} in a CUDA graph; running loop 'overlap' instead",
+                      RuntimeWarning, stacklevel=3)
         return loop, "overlap"
     return loop, loop
 
@@ -233,12 +228,11 @@ class AsyncEngine(PagedAttentionEngine):
         """Feed each row's last token; returns logits ``[B, V]``. Device ops only: this is what
         a CUDA graph captures."""
         with phase("prepare_inputs"):
-            inputs, metadata = self.prepare_inputs(state, tokens)
+            step = self.prepare_inputs(state, tokens)
         with phase("model_forward"):
-            return self.model_forward(inputs, metadata)
+            return self.model_forward(step)
 
-    def prepare_inputs(self, state: DecodeState, tokens: torch.Tensor
-                       ) -> tuple[dict[str, torch.Tensor], PagedAttentionMetadata]:
+    def prepare_inputs(self, state: DecodeState, tokens: torch.Tensor) -> StepBatch:
         """This step's positions and slots, from the state alone (no host values)."""
         block_size = self.kv_cache.block_size
         positions = state.context_lens.long()  # a copy: the fed token's position
@@ -247,10 +241,8 @@ class AsyncEngine(PagedAttentionEngine):
         state.context_lens += 1  # in place, so a captured graph advances it on every replay
         state.max_context_len = min(state.max_context_len + 1,
                                     state.block_tables.shape[1] * block_size)
-        metadata = PagedAttentionMetadata(self.runner.layer_kv, state.block_tables, state.context_lens,
-                                          slots, self.runner.backend,
-                                          max_context_len=state.max_context_len)
-        return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
+        return decode_batch(tokens, positions, slots, state.block_tables, state.context_lens,
+                            token_rows=state.rows, max_context_len=state.max_context_len)
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -284,17 +276,8 @@ class DecodeGraph:
         self.scratch = engine.kv_cache.block_manager.block_tables[SCRATCH_REQUEST][0]
         self.state = graph_state(engine, size, self.scratch)
         self.tokens = torch.zeros(size, dtype=torch.long, device=device)
-        # Warm up on a side stream first (kernel compilation, cuBLAS workspaces), as
-        # torch.cuda.graph asks; these steps only touch the scratch block.
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                engine.forward_step(self.state, self.tokens)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=engine.graph_pool):
-            self.logits = engine.forward_step(self.state, self.tokens)
+        self.graph, self.logits = capture(partial(engine.forward_step, self.state, self.tokens),
+                                          device, engine.graph_pool)
         self.batch_size = 0
 
     def load(self, state: DecodeState) -> None:

@@ -19,8 +19,8 @@ How it runs (the pieces live in :mod:`miniinfer.runner`, which chapter 08 reuses
   implementation ``AttentionMaskInterface`` does not know.
 - all requests' new tokens go in as one flat sequence ``[1, total_tokens]``, each request with
   its own positions, so there is no padding anywhere. Block tables, context lens and slot
-  mapping travel in one :class:`~miniinfer.runner.PagedAttentionMetadata`, which every layer's
-  attention receives.
+  mapping travel in one :class:`~miniinfer.runner.StepBatch`, from which the forward makes the
+  metadata every layer's attention receives.
 - the attention function stores the new tokens' K/V in their slots, then runs the varlen
   kernel (prefill: whole prompts, causal) or the decode kernel (one token per request). What a
   decode kernel works out from the block tables alone is the same in every layer; a backend that
@@ -42,7 +42,7 @@ from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, blocks_for
 from ..core.models import LoadedModel
 from ..core.ranges import phase
 from ..core.sampling import SamplingParams, sample
-from ..runner import ModelRunner, PagedAttentionMetadata
+from ..runner import ModelRunner, StepBatch, decode_batch
 from .base import Engine, GenerationResult
 from .paged_loop import PagedLoopEngine
 
@@ -102,21 +102,12 @@ class PagedAttentionEngine(PagedLoopEngine):
         block_size = self.kv_cache.block_size
         slot_mapping = (block_tables[row, positions // block_size].long() * block_size
                         + positions % block_size)
-        metadata = PagedAttentionMetadata(
-            kv=self.runner.layer_kv,
-            block_tables=block_tables,
-            context_lens=lens_t,
-            slot_mapping=slot_mapping,
-            backend=self.runner.prefill_backend,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max(lens),
-        )
-        inputs = {
-            "input_ids": torch.tensor([[t for p in prompts for t in p]], device=device),
-            "position_ids": positions[None],
-        }
         # Only each prompt's last position predicts a token.
-        logits = self.model_forward(inputs, metadata, logits_to_keep=cu_seqlens_q[1:] - 1)
+        step = StepBatch(torch.tensor([t for p in prompts for t in p], device=device), positions,
+                         slot_mapping, block_tables, lens_t, row, num_decodes=0,
+                         query_starts=cu_seqlens_q, max_query_len=max(lens),
+                         logits_rows=cu_seqlens_q[1:] - 1)
+        logits = self.model_forward(step)
         return PagedBatch(request_ids, block_tables), logits
 
     def take_blocks(self, request_ids: list[int], prompts: list[list[int]],
@@ -130,14 +121,13 @@ class PagedAttentionEngine(PagedLoopEngine):
         """Feed each row's last token; returns the next ones. The K/V writes happen inside the
         forward, in every layer's attention."""
         with phase("prepare_inputs"):
-            inputs, metadata = self.prepare_inputs(batch, tokens)
+            step = self.prepare_inputs(batch, tokens)
         with phase("model_forward"):
-            logits = self.model_forward(inputs, metadata)
+            logits = self.model_forward(step)
         with phase("sample"):
             return sample(logits, params, generator)
 
-    def prepare_inputs(self, batch: PagedBatch, tokens: torch.Tensor
-                       ) -> tuple[dict[str, torch.Tensor], PagedAttentionMetadata]:
+    def prepare_inputs(self, batch: PagedBatch, tokens: torch.Tensor) -> StepBatch:
         """Take a slot for each row's token and send this step's metadata in one copy."""
         block_manager = self.kv_cache.block_manager
         context_lens, positions, slots, new_entries = [], [], [], []
@@ -155,15 +145,10 @@ class PagedAttentionEngine(PagedLoopEngine):
         if new_entries:
             rows, cols, blocks = entries.view(-1, 3).unbind(1)
             batch.block_tables[rows, cols] = blocks
-        metadata = PagedAttentionMetadata(self.runner.layer_kv, batch.block_tables, context_lens,
-                                          slots.long(), self.runner.backend)
-        return {"input_ids": tokens[None], "position_ids": positions[None]}, metadata
+        return decode_batch(tokens, positions, slots.long(), batch.block_tables, context_lens)
 
-    def model_forward(self, inputs: dict[str, torch.Tensor], metadata: PagedAttentionMetadata,
-                      logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-        """Logits ``[B, V]`` at the positions ``logits_to_keep`` picks (0: every position, which
-        in decode is one per request; or a tensor of token indices). No cache object: the K/V
-        live in the pool."""
-        rows = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else None
-        return self.runner.forward(inputs["input_ids"][0], inputs["position_ids"][0], metadata,
-                                   rows)
+    def model_forward(self, step: StepBatch) -> torch.Tensor:
+        """Logits ``[rows, V]`` of the positions ``step.logits_rows`` picks (None: every
+        position, which in decode is one per request). No cache object: the K/V live in the
+        pool."""
+        return self.runner.forward(step)

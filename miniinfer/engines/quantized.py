@@ -63,12 +63,13 @@ class QuantizedEngine(ContinuousEngine):
                              forward="direct", attention_backend=attention_backend)
         # The runner's own forwards run the model HF's weights make; this one runs ours.
         if eager:
-            runner.forward = DirectForward(model)
+            runner.forward = DirectForward(model, runner.attention)
         else:
             from ..runner.compiled import CompiledForward
 
             runner.forward = CompiledForward(model, runner.kv_cache,
-                                             quantized_compile_options(compile_options))
+                                             quantized_compile_options(compile_options),
+                                             attention=runner.attention)
             runner.forward_name = "compiled"
         super().__init__(lm, runner=runner, **options)
         # What a decode step reads (codes and scales): its bandwidth floor, not the fp32 one.

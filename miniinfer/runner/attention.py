@@ -26,8 +26,9 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..core.errors import MiniInferError
-from ..core.kernels import AttentionBackend, DecodeFn
+from ..core.kernels import BACKENDS, AttentionBackend, DecodeFn, available_backends, get_backend
 from ..core.ranges import phase
+from .step import StepBatch
 
 ATTN_IMPLEMENTATION = "miniinfer_paged"
 
@@ -138,3 +139,40 @@ class MixedBatchMetadata:
                  for meta, rows in ((self.decodes, slice(None, n)), (self.chunks, slice(n, None)))
                  if meta is not None]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(slots=True)
+class PagedAttention:
+    """Attention over a paged pool, for the eager forwards: the backend decodes run with, the
+    one prompt chunks run with (flash-attn only decodes, so prompts then go to the best backend
+    with a varlen kernel), and :meth:`prepare`, which turns a step batch into the metadata
+    every layer's ``attend`` reads."""
+
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    backend: AttentionBackend
+    prefill_backend: AttentionBackend
+
+    @classmethod
+    def over(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+             block_size: int, name: str | None = None) -> PagedAttention:
+        """Backend ``name`` (None: the best available) over ``kv``."""
+        backend = get_backend(name, device, block_size)
+        prefill = backend if backend.varlen else next(
+            BACKENDS[other] for other in available_backends(device, block_size)
+            if BACKENDS[other].varlen)
+        return cls(kv, backend, prefill)
+
+    def prepare(self, batch: StepBatch) -> PagedAttentionMetadata | MixedBatchMetadata:
+        """The step's attention metadata: chapter 06's for a batch of one kind, chapter 08's
+        two parts for decodes followed by chunks."""
+        n = batch.num_decodes
+        decodes = PagedAttentionMetadata(
+            self.kv, batch.block_tables[:n], batch.context_lens[:n], batch.slot_mapping[:n],
+            self.backend, max_context_len=batch.max_context_len) if n else None
+        chunks = PagedAttentionMetadata(
+            self.kv, batch.block_tables[n:], batch.context_lens[n:], batch.slot_mapping[n:],
+            self.prefill_backend, cu_seqlens_q=batch.query_starts,
+            max_seqlen_q=batch.max_query_len) if batch.num_chunks else None
+        if chunks is None or decodes is None:
+            return decodes or chunks
+        return MixedBatchMetadata(n, decodes, chunks)

@@ -72,11 +72,12 @@ from ..core.devices import device_isa
 from ..core.errors import MiniInferError, one_line
 from ..core.kernels import cpu_decode
 from ..core.kv_cache import PagedKVCache
-from .attention import MixedBatchMetadata, PagedAttentionMetadata
+from .attention import PagedAttention
 from .compiled_attention import fused_paged_attention, segment_attention
 from .direct import DirectForward
-from .model import Model, PagedAttend
+from .model import Model
 from .onednn_linear import onednn_available, prepacked
+from .step import StepBatch
 
 # Graphs dynamo may keep per compiled function (see CompiledForward.__init__).
 RECOMPILE_LIMIT = 512
@@ -268,19 +269,23 @@ SHARE_MIN_BYTES = 1 << 20
 
 
 class CompiledForward:
-    """DirectForward compiled: ``forward(input_ids [T], position_ids [T], metadata,
-    logits_rows=None)`` -> logits of the rows ``logits_rows`` picks (None: every token),
-    ``[rows, vocab]``, for ``metadata`` a :class:`PagedAttentionMetadata` or a
-    :class:`MixedBatchMetadata` over ``kv_cache``'s pool.
+    """DirectForward compiled: ``forward(batch)`` -> logits of the rows ``batch.logits_rows``
+    picks (None: every token), ``[rows, vocab]``, for a step batch over ``kv_cache``'s pool
+    (the graphs attend through the pool themselves; ``attention`` is the eager forward's, where
+    the device cannot compile: by default the best backend over the pool).
 
     Graphs compile lazily, one per token bucket the first time a step needs it (or all at once
     with :meth:`warm_up`); ``compile_seconds`` says what each took. ``reason_eager`` is why the
     forward runs eagerly instead (None when compiled)."""
 
     def __init__(self, model: PreTrainedModel, kv_cache: PagedKVCache,
-                 options: CompileOptions | None = None) -> None:
+                 options: CompileOptions | None = None, *,
+                 attention: PagedAttention | None = None) -> None:
         self.options = options or CompileOptions()
-        self.eager = DirectForward(model)
+        if attention is None:  # the best backend over the pool, as a runner would choose
+            attention = PagedAttention.over([(k, v) for k, v in kv_cache.kv], kv_cache.kv.device,
+                                            kv_cache.block_size)
+        self.eager = DirectForward(model, attention)
         self.model = self.eager.model
         self.kv_cache = kv_cache
         self.device = kv_cache.kv.device
@@ -408,15 +413,16 @@ class CompiledForward:
         buckets = self.options.token_buckets
         return next((b for b in buckets if b >= num_tokens), buckets[-1])
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 metadata: PagedAttend, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
         if not self.compiled:
-            return self.eager(input_ids, position_ids, metadata, logits_rows)
-        tables, slot_mapping = token_block_tables(metadata)
+            return self.eager(batch)
+        # Each token's block table: its request's row.
+        tables = batch.block_tables[batch.token_rows.long()]
         # One dtype and layout per input whatever the engine staged: each is part of a
         # graph's guards, and a mismatch would compile the bucket again.
-        input_ids, position_ids = input_ids.long(), position_ids.long()
-        slot_mapping = slot_mapping.long()
+        input_ids, position_ids = batch.input_ids.long(), batch.positions.long()
+        slot_mapping = batch.slot_mapping.long()
+        logits_rows = batch.logits_rows
         # Only the blocks up to the furthest position anyone sees (on a CPU the read costs no
         # wait; on CUDA it would, so the tables keep their width).
         if self.device.type == "cpu":
@@ -630,30 +636,3 @@ def _onednn_disabled() -> Iterator[None]:
         yield
     finally:
         torch._C._set_mkldnn_enabled(previous)
-
-
-def token_block_tables(metadata: PagedAttend) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each new token's block table (its request's row, ``[T, W]``) and slot (``[T]``), from
-    chapter 06's metadata (decodes: one token per row; prompts: ``cu_seqlens_q`` says whose
-    tokens are whose) or chapter 08's mixed batch (decodes first, then prompt chunks)."""
-    if isinstance(metadata, MixedBatchMetadata):
-        parts = [part for part in (metadata.decodes, metadata.chunks) if part is not None]
-    elif isinstance(metadata, PagedAttentionMetadata):
-        parts = [metadata]
-    else:
-        raise MiniInferError(f"the compiled forward takes PagedAttentionMetadata or "
-                             f"MixedBatchMetadata, got {type(metadata).__name__}")
-    tables = []
-    for part in parts:
-        if part.cu_seqlens_q is None:
-            tables.append(part.block_tables)
-            continue
-        q_lens = part.cu_seqlens_q[1:] - part.cu_seqlens_q[:-1]
-        rows = torch.repeat_interleave(torch.arange(len(q_lens), device=q_lens.device), q_lens,
-                                       output_size=part.slot_mapping.shape[0])
-        tables.append(part.block_tables[rows])
-    if len(tables) == 1:
-        return tables[0], parts[0].slot_mapping
-    width = max(t.shape[1] for t in tables)
-    tables = [F.pad(t, (0, width - t.shape[1])) for t in tables]
-    return torch.cat(tables), torch.cat([part.slot_mapping for part in parts])

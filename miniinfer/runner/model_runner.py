@@ -13,14 +13,16 @@ What the runner owns:
 - the forward, chosen by name from :data:`FORWARDS`: ``direct`` (our own Llama/Qwen2 model,
   :mod:`miniinfer.runner.model`, run eagerly: :mod:`miniinfer.runner.direct`), ``registry``
   (HF's module tree, our attention found by name) or ``compiled`` (chapter 11: the same model
-  under ``torch.compile``, :mod:`miniinfer.runner.compiled`). Every forward has one signature, ``forward(input_ids
-  [T], position_ids [T], metadata, logits_rows=None) -> logits [rows, vocab]``, so a new way
-  to run the model (compiled, sharded over processes) is one more entry here, not one more
-  engine subclass;
-- the staging buffer: a step's per-token metadata reaches the device in one copy.
+  under ``torch.compile``, :mod:`miniinfer.runner.compiled`). Every forward has one signature,
+  ``forward(batch: StepBatch) -> logits [rows, vocab]`` (:mod:`miniinfer.runner.step`), so a
+  new way to run the model (compiled, sharded over processes) is one more entry here, not one
+  more engine subclass;
+- the staging buffer: a step's per-token metadata reaches the device in one copy;
+- on a GPU, CUDA graphs of decode-only steps, one per batch-size bucket
+  (:mod:`miniinfer.runner.cuda_graphs`).
 
 :meth:`ModelRunner.execute` is chapter 08's step: flatten the scheduled tokens of a mixed batch
-(decodes first, then prompt chunks), stage their metadata, run the forward.
+(decodes first, then prompt chunks) into a step batch, staged in one copy, and run the forward.
 """
 
 from __future__ import annotations
@@ -33,37 +35,33 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.errors import MiniInferError, UnknownNameError
-from ..core.kernels import BACKENDS, available_backends, get_backend, triton_attention
+from ..core.kernels import AttentionBackend, triton_attention
 from ..core.kv_cache import KVCacheConfig, PagedKVCache
 from ..core.models import LoadedModel
 from ..core.ranges import phase
 from ..core.scheduler import Request, ScheduledBatch
-from .attention import (
-    ATTN_IMPLEMENTATION,
-    MixedBatchMetadata,
-    PagedAttentionMetadata,
-    attn_implementation,
-    has_sliding_window,
-)
-from .direct import DirectForward, PagedAttend, unsupported_reason
+from .attention import ATTN_IMPLEMENTATION, PagedAttention, attn_implementation, has_sliding_window
+from .cuda_graphs import DecodeGraphs, capture_unworthy_reason
+from .direct import DirectForward, unsupported_reason
+from .step import StepBatch
 
 if TYPE_CHECKING:
     from .compiled import CompileOptions
 
-# forward(input_ids [T], position_ids [T], metadata, logits_rows [rows] or None) -> [rows, V]
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, PagedAttend, torch.Tensor | None], torch.Tensor]
+# forward(batch) -> logits [rows, V], the rows batch.logits_rows picks (None: every token)
+ForwardFn = Callable[[StepBatch], torch.Tensor]
 
 
 def registry_forward(runner: ModelRunner) -> ForwardFn:
     """HF's own modules, with :func:`~miniinfer.runner.attention.paged_attention_forward`
     plugged in by name (while :meth:`ModelRunner.paged_attention` is active)."""
-    model = runner.model
+    model, attention = runner.model, runner.attention
 
-    def forward(input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: PagedAttend,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        keep = 0 if logits_rows is None else logits_rows  # 0: every position
-        return model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                     paged_attention=metadata, logits_to_keep=keep).logits[0]
+    def forward(batch: StepBatch) -> torch.Tensor:
+        keep = 0 if batch.logits_rows is None else batch.logits_rows  # 0: every position
+        return model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                     use_cache=False, paged_attention=attention.prepare(batch),
+                     logits_to_keep=keep).logits[0]
 
     return forward
 
@@ -73,7 +71,7 @@ def direct_forward(runner: ModelRunner) -> ForwardFn:
     if reason:
         raise MiniInferError(f"forward 'direct' cannot run {runner.lm.name!r}: {reason}; "
                              f"use forward='registry'")
-    return DirectForward(runner.model)
+    return DirectForward(runner.model, runner.attention)
 
 
 def compiled_forward(runner: ModelRunner) -> ForwardFn:
@@ -85,7 +83,8 @@ def compiled_forward(runner: ModelRunner) -> ForwardFn:
     if reason:
         raise MiniInferError(f"forward 'compiled' cannot run {runner.lm.name!r}: {reason}; "
                              f"use forward='registry'")
-    return CompiledForward(runner.model, runner.kv_cache, runner.compile_options)
+    return CompiledForward(runner.model, runner.kv_cache, runner.compile_options,
+                           attention=runner.attention)
 
 
 # Each forward the runner can run, by name: a factory that builds it for a runner.
@@ -133,11 +132,8 @@ class ModelRunner:
         # Each layer's K and V views of the pool, made once rather than in every forward.
         self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
         block_size = self.kv_cache.block_size
-        self.backend = get_backend(attention_backend, self.device, block_size)
-        # flash-attn only decodes; prompts then go to the best backend with a varlen kernel.
-        self.prefill_backend = self.backend if self.backend.varlen else next(
-            BACKENDS[name] for name in available_backends(self.device, block_size)
-            if BACKENDS[name].varlen)
+        self.attention = PagedAttention.over(self.layer_kv, self.device, block_size,
+                                             attention_backend)
         self.forward_name = forward
         self.tensor_parallel = tensor_parallel
         self.compile_options = compile_options  # the compiled forward's (None: its defaults)
@@ -146,14 +142,30 @@ class ModelRunner:
 
             self.forward_name = f"direct, tensor-parallel {tensor_parallel}"
             self.forward = TensorParallelForward(lm, tensor_parallel, self.kv_cache.num_blocks,
-                                                 block_size, pool=self.kv_cache.kv)
+                                                 block_size, pool=self.kv_cache.kv,
+                                                 attention_backend=self.backend.name)
         else:
             self.forward: ForwardFn = FORWARDS[forward](self)
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
+        # Chapter 07's CUDA graphs for decode-only steps, where the forward is eager and ours
+        # (the compiled forward has inductor's own; a sharded step's collectives stay eager).
+        self.decode_graphs: DecodeGraphs | None = None
+        if capture_unworthy_reason(self.device, self.backend) is None:
+            self.decode_graphs = DecodeGraphs(self.kv_cache, lm.max_context)
         if "triton" in (self.backend.name, self.prefill_backend.name) and \
                 self.device.type == "cuda":
             # Every tile size compiled now: a JIT compile (1-3 s) must not land in a timed run.
             triton_attention.warm_up(*self.layer_kv[0], lm.config.num_attention_heads, lm.dtype)
+
+    @property
+    def backend(self) -> AttentionBackend:
+        """The attention backend decodes run with."""
+        return self.attention.backend
+
+    @property
+    def prefill_backend(self) -> AttentionBackend:
+        """The attention backend prompt chunks run with."""
+        return self.attention.prefill_backend
 
     def close(self) -> None:
         """End what the forward started (a tensor-parallel forward's worker processes)."""
@@ -186,27 +198,30 @@ class ModelRunner:
         reached its last token (it samples); a request the batch scores at ``k + 1`` positions
         (``ScheduledBatch.num_scored``) has ``k + 1`` consecutive rows."""
         with phase("prepare_inputs"):
-            ids, positions, metadata, logits_rows, sampled = self.prepare_mixed_batch(batch)
+            step, sampled = self.prepare_step(batch)
         with phase("model_forward"):
-            return self.forward(ids, positions, metadata, logits_rows), sampled
+            graphs = self.decode_graphs
+            if graphs is not None and isinstance(self.forward, DirectForward) and \
+                    graphs.fits(step):
+                return graphs.replay(self.forward, step), sampled
+            return self.forward(step), sampled
 
-    def prepare_mixed_batch(self, batch: ScheduledBatch) -> tuple[
-            torch.Tensor, torch.Tensor, MixedBatchMetadata, torch.Tensor, list[Request]]:
-        """Flatten the scheduled tokens (decodes first) and send their ids, positions, slots,
-        context lens, chunk boundaries, logits rows and block tables in one staged copy. Only
-        the positions the batch scores go through the LM head (by default the last position of
-        a request that reaches the end of its tokens); a partial prompt chunk only fills the
-        cache."""
+    def prepare_step(self, batch: ScheduledBatch) -> tuple[StepBatch, list[Request]]:
+        """Flatten the scheduled tokens (decodes first) into a step batch, its tensors sent in
+        one staged copy, and the request of each scored row. Only the positions the batch
+        scores go through the LM head (by default the last position of a request that reaches
+        the end of its tokens); a partial prompt chunk only fills the cache."""
         manager = self.kv_cache.block_manager
         block_size = manager.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        token_rows: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
         logits_rows: list[int] = []
         sampled: list[Request] = []
-        for request, n in batch.scheduled:
+        for row, (request, n) in enumerate(batch.scheduled):
             start = request.num_computed_tokens
             end = start + n
             table = manager.block_tables[request.request_id]
@@ -214,6 +229,7 @@ class ModelRunner:
             positions += range(start, end)
             slots += [table[t // block_size] * block_size + t % block_size
                       for t in range(start, end)]
+            token_rows += [row] * n
             context_lens.append(end)
             tables.append(table)
             scored = batch.scored(request, n)
@@ -221,23 +237,17 @@ class ModelRunner:
             sampled += [request] * scored
         num_decodes = batch.num_decodes
         chunk_lens = [n for _, n in batch.scheduled[num_decodes:]]
-        cu_seqlens_q = [0, *accumulate(chunk_lens)]
+        query_starts = [0, *accumulate(chunk_lens)] if chunk_lens else []
         width = max(len(table) for table in tables)
-        staged = self.stage(ids + positions + slots + context_lens + cu_seqlens_q + logits_rows
+        staged = self.stage(ids + positions + slots + token_rows + context_lens + query_starts
+                            + logits_rows
                             + [b for table in tables for b in table + [0] * (width - len(table))])
         num_tokens = len(ids)
-        (ids_t, positions_t, slots_t, context_lens_t, cu_seqlens_t, rows_t,
-         tables_t) = staged.split([num_tokens] * 3 + [len(tables), len(cu_seqlens_q),
+        (ids_t, positions_t, slots_t, rows_t, context_lens_t, starts_t, logits_t,
+         tables_t) = staged.split([num_tokens] * 4 + [len(tables), len(query_starts),
                                                       len(logits_rows), len(tables) * width])
-        slots_t = slots_t.long()
-        block_tables = tables_t.view(len(tables), width)
-        kv = self.layer_kv
-        decodes = PagedAttentionMetadata(
-            kv, block_tables[:num_decodes], context_lens_t[:num_decodes], slots_t[:num_decodes],
-            self.backend) if num_decodes else None
-        chunks = PagedAttentionMetadata(
-            kv, block_tables[num_decodes:], context_lens_t[num_decodes:],
-            slots_t[num_decodes:], self.prefill_backend, cu_seqlens_q=cu_seqlens_t,
-            max_seqlen_q=max(chunk_lens)) if chunk_lens else None
-        metadata = MixedBatchMetadata(num_decodes, decodes, chunks)
-        return ids_t, positions_t, metadata, rows_t, sampled
+        step = StepBatch(ids_t, positions_t, slots_t.long(), tables_t.view(len(tables), width),
+                         context_lens_t, rows_t, num_decodes,
+                         query_starts=starts_t if chunk_lens else None,
+                         max_query_len=max(chunk_lens, default=1), logits_rows=logits_t)
+        return step, sampled

@@ -27,10 +27,10 @@ it pays off where the head is a large share of the weights read per step at high
 1.1 GB of 15 GB in bf16, read by rank 0 alone here), which is the next step, not this one.
 
 Processes. Rank 0 is the caller's process: it owns the engine, the scheduler and the tokenizer.
-Every step it sends the other ranks the step's inputs (token ids, positions, and per attention
-part the block tables, context lens, slot mapping, query boundaries and kernel choice; not the
-logits rows, which only rank 0's LM head reads), in two broadcasts: a fixed-size header on a
-gloo "control" group, then one flat int64 payload on the data group. Workers load the model
+Every step it sends the other ranks the step batch (:class:`~miniinfer.runner.step.StepBatch`,
+packed by walking its fields: no wire format of its own), in two broadcasts: a fixed-size
+header on a gloo "control" group, then one flat int64 payload on the data group. The attention
+kernels are chosen once, at start, like rank 0's. Workers load the model
 themselves by name (random-weight models are seeded, and a checksum of every weight tensor is
 compared across ranks before the first step), keep only their shard, and loop: receive, run the
 layers, all-reduce. On one machine the package starts them (``torch.multiprocessing`` spawn,
@@ -54,14 +54,13 @@ since CUDA collectives do not block the host.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing.connection
 import os
 import pickle
 import signal
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -72,11 +71,11 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..core.errors import InvalidRequestError, MiniInferError
-from ..core.kernels import BACKENDS
 from ..core.models import LoadedModel, load_model
-from .attention import MixedBatchMetadata, PagedAttentionMetadata
+from .attention import PagedAttention
 from .direct import DirectForward
 from .model import Linear, Model, load, swap_linears, unsupported_reason
+from .step import StepBatch
 
 # A step is milliseconds on a GPU and at most seconds on a CPU; a collective that waits this
 # long means a rank is gone or stuck.
@@ -95,13 +94,7 @@ ALL_READY_KEY = "all-ready"  # set by the last of them
 LOCALHOST = "127.0.0.1"
 
 STEP, SHUTDOWN = 1, 0
-BACKEND_NAMES = list(BACKENDS)
-# Per attention part: present, batch, block table width, tokens, prefill (has query
-# boundaries), max_seqlen_q, max_context_len (-1: unknown), backend index.
-PART_FIELDS = 8
-HEADER_LEN = 3 + 2 * PART_FIELDS  # command, tokens, num_decodes (-1: one plain part), 2 parts
-
-Metadata = PagedAttentionMetadata | MixedBatchMetadata
+HEADER_LEN = 1 + StepBatch.header_len()  # the command, then the step batch's own header
 
 
 class RankFailure(RuntimeError):
@@ -260,8 +253,8 @@ class ShardedForward(DirectForward):
     without the LM head it returns None."""
 
     def __init__(self, model: PreTrainedModel, layout: ShardLayout, rank: int,
-                 lm_head: bool) -> None:
-        super().__init__(shard_model(load(model), layout, rank, lm_head))
+                 attention: PagedAttention | None, lm_head: bool) -> None:
+        super().__init__(shard_model(load(model), layout, rank, lm_head), attention)
 
 
 def allocate_kv_pool(config, layout: ShardLayout, num_blocks: int, block_size: int,
@@ -282,88 +275,6 @@ def weights_fingerprint(model: PreTrainedModel) -> torch.Tensor:
     the ranks hold the same weights, whatever the device's summation order."""
     return torch.stack([p.detach().flatten().view(_INT_OF_SIZE[p.element_size()])
                         .sum(dtype=torch.int64) for p in model.parameters()]).cpu()
-
-
-# -- one step on the wire ----------------------------------------------------------------------
-
-
-def _parts(metadata: Metadata) -> tuple[int, list[PagedAttentionMetadata | None]]:
-    """``num_decodes`` (-1 for chapter 06's one-part metadata) and the two attention parts."""
-    if isinstance(metadata, MixedBatchMetadata):
-        return metadata.num_decodes, [metadata.decodes, metadata.chunks]
-    if isinstance(metadata, PagedAttentionMetadata):
-        return -1, [metadata, None]
-    raise MiniInferError(f"tensor parallelism runs paged-attention metadata "
-                         f"(PagedAttentionMetadata, MixedBatchMetadata), not "
-                         f"{type(metadata).__name__}")
-
-
-def pack_step(input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: Metadata
-              ) -> tuple[list[int], torch.Tensor]:
-    """The step's header (HEADER_LEN ints) and its index tensors as one flat int64 payload."""
-    num_decodes, parts = _parts(metadata)
-    header = [STEP, input_ids.numel(), num_decodes]
-    tensors = [input_ids, position_ids]
-    for part in parts:
-        if part is None:
-            header += [0] * PART_FIELDS
-            continue
-        batch, width = part.block_tables.shape
-        prefill = part.cu_seqlens_q is not None
-        max_context = -1 if part.max_context_len is None else part.max_context_len
-        header += [1, batch, width, part.slot_mapping.numel(), int(prefill), part.max_seqlen_q,
-                   max_context, BACKEND_NAMES.index(part.backend.name)]
-        tensors += [part.block_tables.flatten(), part.context_lens, part.slot_mapping]
-        if prefill:
-            tensors.append(part.cu_seqlens_q)
-    return header, torch.cat([t.long() for t in tensors])
-
-
-def unpack_step(header: Sequence[int], payload: torch.Tensor,
-                kv: Sequence[tuple[torch.Tensor, torch.Tensor]]
-                ) -> tuple[torch.Tensor, torch.Tensor, Metadata]:
-    """:func:`pack_step` undone, with ``kv`` (this rank's pool) as the metadata's pool."""
-    num_tokens, num_decodes = header[1], header[2]
-    ids, positions = payload[:num_tokens], payload[num_tokens : 2 * num_tokens]
-    offset = 2 * num_tokens
-    parts: list[PagedAttentionMetadata | None] = []
-    for p in range(2):
-        (present, batch, width, _, prefill, max_seqlen_q, max_context,
-         backend) = header[3 + p * PART_FIELDS : 3 + (p + 1) * PART_FIELDS]
-        if not present:
-            parts.append(None)
-            continue
-        sizes = _part_sizes(header, p)
-        fields = payload[offset : offset + sum(sizes)].split(sizes)
-        offset += sum(sizes)
-        parts.append(PagedAttentionMetadata(
-            kv, fields[0].int().view(batch, width), fields[1].int(), fields[2],
-            BACKENDS[BACKEND_NAMES[backend]],
-            cu_seqlens_q=fields[3].int() if prefill else None, max_seqlen_q=max_seqlen_q,
-            max_context_len=None if max_context < 0 else max_context))
-    if num_decodes < 0:
-        return ids, positions, parts[0]
-    return ids, positions, MixedBatchMetadata(num_decodes, parts[0], parts[1])
-
-
-def _part_sizes(header: Sequence[int], p: int) -> list[int]:
-    """Lengths of part ``p``'s block tables, context lens, slot mapping (and query boundaries
-    for a prefill part) in the payload; none for an absent part."""
-    present, batch, width, tokens, prefill = header[3 + p * PART_FIELDS :][:5]
-    if not present:
-        return []
-    return [batch * width, batch, tokens] + ([batch + 1] if prefill else [])
-
-
-def payload_len(header: Sequence[int]) -> int:
-    return 2 * header[1] + sum(sum(_part_sizes(header, p)) for p in range(2))
-
-
-def with_pool(metadata: Metadata, kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Metadata:
-    """The engine's metadata reading and writing ``kv`` (rank 0's shard of the pool)."""
-    num_decodes, parts = _parts(metadata)
-    own = [None if part is None else dataclasses.replace(part, kv=kv) for part in parts]
-    return own[0] if num_decodes < 0 else MixedBatchMetadata(num_decodes, *own)
 
 
 # -- processes and groups ----------------------------------------------------------------------
@@ -389,6 +300,7 @@ class WorkerSetup:
     num_blocks: int
     block_size: int
     step_timeout_s: float
+    attention_backend: str | None  # as rank 0's (None: the best available)
 
 
 def torchrun_rank() -> int | None:
@@ -588,7 +500,7 @@ class TensorParallelForward:
     def __init__(self, lm: LoadedModel, tensor_parallel: int, num_blocks: int, block_size: int,
                  step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
                  start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                 pool: torch.Tensor | None = None) -> None:
+                 pool: torch.Tensor | None = None, attention_backend: str | None = None) -> None:
         reason = unsupported_reason(lm.model)
         if reason:
             raise MiniInferError(f"tensor parallelism cannot run {lm.name!r}: {reason}")
@@ -619,11 +531,12 @@ class TensorParallelForward:
                 raise MiniInferError(f"rank 0's KV pool must be {list(expected)} (its own "
                                      f"KV heads only), got {list(pool.shape)}")
             self.kv = [(layer[0], layer[1]) for layer in pool]
-        self.shard = ShardedForward(lm.model, self.layout, 0, lm_head=True)
+        attention = PagedAttention.over(self.kv, lm.device, block_size, attention_backend)
+        self.shard = ShardedForward(lm.model, self.layout, 0, attention, lm_head=True)
         if n == 1:
             return
         setup = WorkerSetup(lm.name, lm.dtype, lm.device.type, num_blocks, block_size,
-                            step_timeout_s)
+                            step_timeout_s, attention.backend.name)
         workers = None
         if rank is None:
             workers = Workers(n, _spawned_worker, (), start_timeout_s, lm.device.index or 0)
@@ -670,21 +583,19 @@ class TensorParallelForward:
         group = self._group
         return [] if group is None or group.workers is None else list(group.workers.pids)
 
-    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, metadata: Metadata,
-                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        own = with_pool(metadata, self.kv)
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
         group = self._group
         if group is None:
-            return self.shard(input_ids, position_ids, own, logits_rows)
+            return self.shard(batch)
         if group.closed_because is not None:
             raise RankFailure(f"this tensor-parallel group is shut down ({group.closed_because})"
                               f"; build a new TensorParallelForward")
-        header, payload = pack_step(input_ids, position_ids, metadata)
+        header, payload = batch.pack()
         self.check_alive()
         try:
-            group.broadcast_header(header)
+            group.broadcast_header([STEP, *header])
             dist.broadcast(payload, 0)
-            return self.shard(input_ids, position_ids, own, logits_rows)
+            return self.shard(batch)
         except KeyboardInterrupt:
             # The workers are somewhere in this step: they cannot be brought back in step.
             group.shutdown("interrupted during a step", graceful=False)
@@ -759,9 +670,10 @@ def serve(rdv: Rendezvous) -> None:
     config = lm.config
     layout = shard_layout(config, rdv.world_size, repr(setup.model_name))
     fingerprint = weights_fingerprint(lm.model)
-    shard = ShardedForward(lm.model, layout, rdv.rank, lm_head=False)
+    shard = ShardedForward(lm.model, layout, rdv.rank, None, lm_head=False)
     del lm  # only the shard (and the shared embedding and norms) stays, before the pool
     kv = allocate_kv_pool(config, layout, setup.num_blocks, setup.block_size, setup.dtype, device)
+    shard.attention = PagedAttention.over(kv, device, setup.block_size, setup.attention_backend)
     report_ready(rdv)
     control = join_groups(rdv, device, setup.step_timeout_s)
     dist.all_gather([torch.empty_like(fingerprint) for _ in range(rdv.world_size)], fingerprint,
@@ -773,8 +685,8 @@ def serve(rdv: Rendezvous) -> None:
             values = header.tolist()
             if values[0] == SHUTDOWN:
                 break
-            payload = torch.empty(payload_len(values), dtype=torch.int64, device=device)
+            payload = torch.empty(StepBatch.payload_len(values[1:]), dtype=torch.int64,
+                                  device=device)
             dist.broadcast(payload, 0)
-            ids, positions, metadata = unpack_step(values, payload, kv)
-            shard(ids, positions, metadata)
+            shard(StepBatch.unpack(values[1:], payload))
     dist.destroy_process_group()

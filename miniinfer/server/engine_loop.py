@@ -395,13 +395,10 @@ class EngineLoop:
         Each suspect runs alone until it produces a token: the one that fails again gets a
         500 and leaves; the others go back to the front of the queue, and the loop serves on."""
         scheduler = self.engine.scheduler
-        for request in reversed(list(scheduler.running)):  # oldest ends up first
-            scheduler.preempt(request)
-        others = [r for r in scheduler.waiting if r not in suspects]
-        scheduler.waiting.clear()
+        others = [r for r in scheduler.set_aside() if r not in suspects]
         cleared = []
         for request in suspects:
-            scheduler.waiting.append(request)
+            scheduler.add(request)
             num_tokens = len(request.output_ids)
             try:
                 while not request.finished and len(request.output_ids) == num_tokens:
@@ -412,10 +409,9 @@ class EngineLoop:
                 self._fail(request, exc)
                 continue
             if not request.finished:
-                scheduler.preempt(request)
-                scheduler.waiting.remove(request)
+                scheduler.take_out(request)
                 cleared.append(request)
-        scheduler.waiting.extend(cleared + others)
+        scheduler.put_back(cleared + others)
 
     def _fail(self, request: Request, exc: Exception) -> None:
         logger.error("request %s failed: %r", request.request_id, exc)
