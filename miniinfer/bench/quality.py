@@ -54,13 +54,17 @@ def sequence_logits(model: Model, token_ids: Sequence[int]) -> torch.Tensor:
     return model.head(model.body(ids, cos, sin, causal_attend)).float()
 
 
+def windows(token_ids: Sequence[int], window: int = 512) -> list[list[int]]:
+    """``token_ids`` cut into windows of ``window`` tokens, each of at least 2 (a window scores
+    every token but its first: ``len(w) - 1`` tokens a window)."""
+    chunks = [list(token_ids[start:start + window]) for start in range(0, len(token_ids), window)]
+    return [chunk for chunk in chunks if len(chunk) >= 2]
+
+
 def perplexity(model: Model, token_ids: Sequence[int], window: int = 512) -> float:
     """Perplexity of ``token_ids`` under ``model``, in windows of ``window`` tokens."""
     nll, count = 0.0, 0
-    for start in range(0, len(token_ids) - 1, window):
-        chunk = list(token_ids[start:start + window])
-        if len(chunk) < 2:
-            break
+    for chunk in windows(token_ids, window):
         logits = sequence_logits(model, chunk)[:-1]
         target = torch.tensor(chunk[1:], device=logits.device)
         nll += F.cross_entropy(logits, target, reduction="sum").item()
@@ -77,13 +81,57 @@ def greedy_continuation(model: Model, prompt: Sequence[int], new_tokens: int) ->
     return ids[len(prompt):]
 
 
+@torch.inference_mode()
+def greedy_continuations(model: Model, prompts: Sequence[Sequence[int]],
+                         new_tokens: int) -> list[list[int]]:
+    """:func:`greedy_continuation` of every prompt at once: the sequences packed into one (a
+    token attends to the earlier tokens of its own sequence only), each layer's keys and values
+    kept, so a step runs one new token per sequence and reads the weights once for all. The
+    same greedy tokens but where a near-tie falls the other way under another summation order."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    device = model.embed.device
+    seqs = [list(p) for p in prompts]
+    step = [(i, pos, tok) for i, p in enumerate(seqs) for pos, tok in enumerate(p)]
+    keys = torch.empty(0, 2, dtype=torch.long, device=device)  # (sequence, position) of each key
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        if layer in cache:
+            k, v = (torch.cat([old, new]) for old, new in zip(cache[layer], (k, v), strict=True))
+        cache[layer] = k, v
+        groups = q.shape[1] // k.shape[1]
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 0),
+                                             v.repeat_interleave(groups, 0), attn_mask=mask,
+                                             scale=scale)
+        return out.transpose(0, 1)
+
+    for _ in range(new_tokens):
+        queries = torch.tensor([(i, pos) for i, pos, _ in step], device=device)
+        keys = torch.cat([keys, queries])
+        mask = ((keys[None, :, 0] == queries[:, None, 0])
+                & (keys[None, :, 1] <= queries[:, None, 1]))
+        cos, sin = model.rope(queries[:, 1])
+        ids = torch.tensor([tok for *_, tok in step], dtype=torch.long, device=device)
+        hidden = model.body(ids, cos, sin, attend)
+        # each sequence's last token in this step
+        last = [max(j for j, (i, *_) in enumerate(step) if i == seq) for seq in range(len(seqs))]
+        for seq, token in zip(seqs, model.head(hidden[last]).argmax(-1).tolist(), strict=True):
+            seq.append(token)
+        step = [(i, len(seq) - 1, seq[-1]) for i, seq in enumerate(seqs)]
+    return [seq[len(p):] for seq, p in zip(seqs, prompts, strict=True)]
+
+
 def top1_agreement(reference: Model, model: Model, prompts: Sequence[Sequence[int]],
-                   new_tokens: int = 32) -> tuple[int, int]:
+                   new_tokens: int = 32,
+                   continuations: Sequence[Sequence[int]] | None = None) -> tuple[int, int]:
     """(positions where ``model``'s argmax is ``reference``'s greedy token, positions), over
-    each prompt's ``reference`` greedy continuation, teacher-forced."""
+    each prompt's ``reference`` greedy continuation, teacher-forced. ``continuations``: those
+    continuations where already computed (one set for several models)."""
+    if continuations is None:
+        continuations = [greedy_continuation(reference, p, new_tokens) for p in prompts]
     agree = total = 0
-    for prompt in prompts:
-        continuation = greedy_continuation(reference, prompt, new_tokens)
+    for prompt, continuation in zip(prompts, continuations, strict=True):
         logits = sequence_logits(model, [*prompt, *continuation])
         predicted = logits[len(prompt) - 1:-1].argmax(-1).tolist()
         agree += sum(p == t for p, t in zip(predicted, continuation, strict=True))
@@ -101,36 +149,48 @@ AGREEMENT_PROMPTS = (
 )
 
 
-def record_quality(lm, new_tokens: int = 32) -> Path:
-    """Perplexity on :func:`quality_text` and top-1 agreement with fp32 of the int8 and int4
-    weights (and int4 with fp32 activations: the file's own body weights), one row each, to
-    ``<recording root>/ch13/<device slug>-quality.csv``. A quality measurement, not a timing
-    one: any machine, busy or not, gives the same numbers."""
-    import pandas as pd
+# The weight formats of the quality table, each as the quantized stage builds its model
+# (runner.quantized.quantized: int8 per channel from fp32, int4 from the GGUF's own Q4_1 blocks;
+# both with bf16 activations in their linears).
+QUALITY_FORMATS = ("fp32", "int8", "int4")
 
-    from ..core.devices import device_slug, recording_root, run_metadata
+
+def quality_rows(lm, window: int = 512, new_tokens: int = 32,
+                 prompts: Sequence[str] = AGREEMENT_PROMPTS) -> list[dict]:
+    """One row per weight format of :data:`QUALITY_FORMATS`: perplexity on :func:`quality_text`
+    in windows of ``window`` tokens, its ratio to fp32's, and teacher-forced top-1 agreement
+    with fp32 over ``prompts`` and ``new_tokens`` of fp32's greedy continuation. A quality
+    measurement, not a timing one: a busy machine gives the same numbers."""
+    from ..core.models import dtype_name
     from ..runner.model import load
     from ..runner.quantized import quantized, weight_bytes
 
     ids = lm.tokenizer.encode(quality_text())
-    prompts = [lm.tokenizer.encode(p) for p in AGREEMENT_PROMPTS]
+    scored = sum(len(chunk) - 1 for chunk in windows(ids, window))
+    encoded = [lm.tokenizer.encode(p) for p in prompts]
     dense = load(lm.model)
-    models = {"fp32": (dense, "float32"),
-              "int8": (quantized(lm, "int8"), "bfloat16"),
-              "int4": (quantized(lm, "int4"), "bfloat16"),
-              "int4 (fp32 activations)": (quantized(lm, "int4", torch.float32), "float32")}
+    # fp32's greedy continuations, computed once for every format, all prompts a step (one at a
+    # time, the whole sequence again each step, was 40% of this table's time on 2 cores).
+    continuations = greedy_continuations(dense, encoded, new_tokens)
     rows = []
-    for weights, (model, compute) in models.items():
+    for weights in QUALITY_FORMATS:
+        model = dense if weights == "fp32" else quantized(lm, weights)
         if model is dense:
-            agree = total = len(prompts) * new_tokens
+            # The reference itself: it agrees with its own greedy tokens at every position by
+            # construction (written as 1, not measured).
+            agree = total = len(encoded) * new_tokens
         else:
-            agree, total = top1_agreement(dense, model, prompts, new_tokens)
-        rows.append({"model": lm.name, "weights": weights, "compute_dtype": compute,
-                     "weight_bytes": weight_bytes(model), "text_tokens": len(ids),
-                     "perplexity": round(perplexity(model, ids), 4),
-                     "top1_agree": agree, "positions": total,
-                     "agreement": round(agree / total, 4), **run_metadata(lm.device)})
-    path = recording_root() / "ch13" / f"{device_slug(lm.device)}-quality.csv"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pd.DataFrame(rows).to_csv(path, index=False)
-    return path
+            agree, total = top1_agreement(dense, model, encoded, new_tokens, continuations)
+        # The dtype the linears compute in (the quantized ones: bf16 activations in the op).
+        compute = getattr(model.lm_head, "compute_dtype", lm.dtype)
+        rows.append({"model": lm.name, "weights": weights, "compute_dtype": dtype_name(compute),
+                     "dtype": dtype_name(lm.dtype), "weight_bytes": weight_bytes(model),
+                     "text": "+".join(TEXT_FILES), "text_tokens": len(ids), "window": window,
+                     "tokens_scored": scored, "perplexity": perplexity(model, ids, window),
+                     "prompts": len(encoded), "new_tokens": new_tokens, "top1_agree": agree,
+                     "positions": total, "agreement": agree / total})
+    fp32 = rows[0]["perplexity"]
+    for row in rows:
+        row["ppl_ratio"] = row["perplexity"] / fp32
+        row["ppl_change_pct"] = 100 * (row["ppl_ratio"] - 1)
+    return rows

@@ -133,7 +133,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             modules=("miniinfer.runner.tensor_parallel", "miniinfer.runner.tensor_parallel_costs"),
             recording="parallel", engines=("hf", "continuous", "tensor-parallel")),
     Chapter("13", "13_quantized_weights",
-            "Weights as they ship: int4 and int8, compiled, against llama.cpp",
+            "Weights as they ship: int8, and int4 from the GGUF's own blocks, against llama.cpp",
             stages=("quantized",),
             modules=("miniinfer.runner.quantized", "miniinfer.bench.quality",
                      "miniinfer.bench.peers.llama_cpp", "miniinfer.book.quantization"),

@@ -320,18 +320,31 @@ def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device:
 
 
 # A chapter's `recording` in the registry -> its plan: (chapter, device) -> ChapterPlan.
+# SmolLM2's tokens of chapter 13's quality text (data/texts: the quality CSV's text_tokens).
+QUALITY_TEXT_TOKENS = 2022
+
+
 def chapter13_plan(device: torch.device) -> ChapterPlan:
     """The offline benchmark, then (on a CPU, where built) llama.cpp: three formats, each a
     process per repeat running every batch size (its F32 run about as long as an fp32 stage's,
-    the others shorter: counted as three fp32 runs, an upper bound)."""
+    the others shorter: counted as three fp32 runs, an upper bound); then (on a CPU) the quality
+    table."""
     plan = bench_chapter_plan("13", device)
     if device.type != "cpu":
         return plan
     _, config = default_workload(device)
-    peer = 3 * config.repeat * sum(device_costs(device).generate("hf", b, config.prompt_len,
-                                                                 config.new_tokens)
+    costs = device_costs(device)
+    peer = 3 * config.repeat * sum(costs.generate("hf", b, config.prompt_len, config.new_tokens)
                                    for b in config.batch_sizes)
-    return replace(plan, engines=(*plan.engines, "llama.cpp"), estimate_s=plan.estimate_s + peer)
+    # The quality table (book/quantization.py: record_quality), rough: three loads (the model,
+    # the GGUF's int4 blocks, int8 quantized from fp32), perplexity over the text in three
+    # formats (fp32's one prefill, each weight-only format's about two: their prefill took
+    # twice hf's time to first token at batch 8 in chapter 13's recording), and the agreement's
+    # 8 prompts x 32 greedy tokens generated at once, then teacher-forced per format.
+    quality = (3 * costs.load_s + 5 * QUALITY_TEXT_TOKENS * costs.prefill_token_s
+               + 2 * costs.generate("hf", 8, 16, 32))
+    return replace(plan, engines=(*plan.engines, "llama.cpp"),
+                   estimate_s=plan.estimate_s + peer + quality)
 
 
 PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {

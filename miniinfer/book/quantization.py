@@ -2,7 +2,8 @@
 ``make peers-llama`` has built it, llama.cpp on the same weights: the shipped Q4_1 GGUF and the
 Q8_0 and F32 files its quantizer makes from it, at the benchmark's batch sizes and lengths ->
 ``<device>-llama-cpp.csv``. Each format's floor is its bytes read once per decode step at the
-device's measured bandwidth (every weight is read once a step, whatever the batch)."""
+device's measured bandwidth (every weight is read once a step, whatever the batch). Last, what
+fewer bits cost in quality (:mod:`miniinfer.bench.quality`) -> ``<device>-quality.csv``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pandas as pd
 import torch
 
 from ..bench.peers import PeerMissingError, llama_cpp
+from ..bench.quality import quality_rows
 from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
-from ..core.models import _smollm2_gguf, cache_dir
+from ..core.models import LoadedModel, _smollm2_gguf, cache_dir, load_model
 from .workloads import default_workload
 
 
@@ -31,7 +33,8 @@ def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataF
         floor_ms = size / speed.bandwidth * 1e3
         for r in llama_cpp.batched_bench(model, config.batch_sizes, config.prompt_len,
                                          config.new_tokens, threads, repeats):
-            rows.append({"chapter": "13", "system": llama_cpp.LLAMA_CPP, "format": fmt,
+            # dtype: the weights' format (every recorded table names its dtype)
+            rows.append({"chapter": "13", "system": llama_cpp.LLAMA_CPP, "format": fmt, "dtype": fmt,
                          "ours": ours, **r, "prompt_len": config.prompt_len,
                          "new_tokens": config.new_tokens, "repeats": repeats,
                          "threads": threads, "file_mb": size / 1e6, "floor_ms": floor_ms,
@@ -60,4 +63,24 @@ def record_llama_cpp(device: torch.device) -> list[Path]:
     print(df[["format", "batch_size", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max",
               "pct_of_floor"]].round(1).to_string(index=False))
     print(f"wrote {out.relative_to(REPO_ROOT)}")
+    return [out]
+
+
+def record_quality(device: torch.device, lm: LoadedModel | None = None) -> list[Path]:
+    """``<device>-quality.csv``: perplexity and top-1 agreement with fp32 of the fp32, int8 and
+    int4 weights of ``lm`` (default: the chapter's model), on a CPU; on a GPU nothing, and says
+    why. A quality table, not a timing one: about a minute of 2 cores' time for SmolLM2-135M."""
+    if device.type != "cpu":
+        print("chapter 13's quality table is recorded on the CPU only: the int8/int4 weights run "
+              "on PyTorch's CPU weight-only ops here, and the weights (so the numbers) are the "
+              "same on any device")
+        return []
+    lm = lm or load_model(default_workload(device)[0], device=device)
+    df = pd.DataFrame(quality_rows(lm)).assign(**run_metadata(device))
+    out = recording_root() / "ch13" / f"{device_slug(device)}-quality.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out, index=False)
+    print(df[["weights", "perplexity", "ppl_change_pct", "tokens_scored", "agreement"]]
+          .round(4).to_string(index=False))
+    print(f"wrote {out.relative_to(REPO_ROOT) if out.is_relative_to(REPO_ROOT) else out}")
     return [out]

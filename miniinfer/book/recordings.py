@@ -21,7 +21,7 @@ from .catching import run_chapter11
 from .chapters import CHAPTERS
 from .client_bench import record_vllm_bench_serve
 from .parallel import run_chapter12
-from .quantization import record_llama_cpp
+from .quantization import record_llama_cpp, record_quality
 from .serving_records import record_serving
 from .speculation import record_speculation
 from .workloads import (
@@ -395,6 +395,6 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "server": lambda chapter, device: run_chapter10(device),
     "catching": lambda chapter, device: run_chapter11(device),  # book/catching.py
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
-    "quantized": lambda ch, dev: [run_chapter_bench(ch, dev), *record_llama_cpp(dev)],
+    "quantized": lambda ch, d: [run_chapter_bench(ch, d), *record_llama_cpp(d), *record_quality(d)],
     "speculative": lambda chapter, device: [record_speculation(device)],  # book/speculation.py
 }
