@@ -7,6 +7,7 @@ from ..core.models import LoadedModel
 from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
 from .compiled import CompiledEngine
+from .config import EngineConfig
 from .continuous import ContinuousEngine
 from .hf import HFEngine
 from .naive import NaiveEngine
@@ -50,4 +51,5 @@ def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
     return cls(lm, **variant_options, **options)
 
 
-__all__ = ["ENGINES", "Engine", "GenerationResult", "make_engine", "resolve_engine"]
+__all__ = ["ENGINES", "Engine", "EngineConfig", "GenerationResult", "make_engine",
+           "resolve_engine"]

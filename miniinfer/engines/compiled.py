@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from ..core.models import LoadedModel
 from ..runner import ModelRunner
+from .config import EngineConfig
 from .continuous import ContinuousEngine
 
 if TYPE_CHECKING:  # imported when a forward is built: loading inductor costs seconds
@@ -30,13 +30,13 @@ class CompiledEngine(ContinuousEngine):
     summary = "continuous batching on the direct forward compiled by torch.compile (inductor)"
     compiles_ahead = True  # builds every bucket's graph before serving, unless warm_up=False
 
-    def __init__(self, lm: LoadedModel, compile_options: CompileOptions | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, attention_backend: str | None = None,
-                 warm_up: bool = True, **options) -> None:
-        runner = ModelRunner(lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes),
-                             forward="compiled", attention_backend=attention_backend,
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *,
+                 compile_options: CompileOptions | None = None, warm_up: bool = True,
+                 **options) -> None:
+        config = EngineConfig.of(config, **options)
+        runner = ModelRunner(lm, config.kv_cache, forward="compiled",
+                             attention_backend=config.attention_backend,
                              compile_options=compile_options)
-        super().__init__(lm, runner=runner, **options)
+        super().__init__(lm, config, runner=runner)
         if warm_up:
             runner.forward.warm_up()

@@ -34,8 +34,6 @@ import torch
 from ..core.devices import sync
 from ..core.errors import InvalidRequestError, MiniInferError
 from ..core.kv_cache import (
-    DEFAULT_BLOCK_SIZE,
-    KVCacheConfig,
     PagedKVCache,
     RequestId,
     blocks_for,
@@ -49,10 +47,10 @@ from ..core.scheduler import (
     RequestTimeline,
     ScheduledBatch,
     Scheduler,
-    SchedulerConfig,
 )
 from ..runner import ModelRunner
 from .base import Engine, GenerationResult, batch_token_times
+from .config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -103,20 +101,16 @@ class ContinuousEngine(Engine):
     variants = ()  # forward= is the runner's choice; no named variants
     sampling_extras = True
 
-    def __init__(self, lm: LoadedModel, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 256, chunked_prefill: bool = True,
-                 attention_backend: str | None = None, forward: str = "auto",
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, tensor_parallel: int = 1,
-                 runner: ModelRunner | None = None) -> None:
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *,
+                 runner: ModelRunner | None = None, **options) -> None:
+        """``config`` and ``options`` (any :class:`EngineConfig` field) say how it runs."""
         super().__init__(lm)
+        self.config = config = EngineConfig.of(config, **options)
         # A runner passed in is used as it is (its pool, its forward); else one is built here.
         self.runner = runner or ModelRunner(
-            lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes), forward=forward,
-            attention_backend=attention_backend, tensor_parallel=tensor_parallel)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_batched_tokens, max_num_seqs, chunked_prefill),
-            self.kv_cache.block_manager)
+            lm, config.kv_cache, forward=config.forward,
+            attention_backend=config.attention_backend, tensor_parallel=config.tensor_parallel)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache.block_manager)
         self.requests: dict[RequestId, Request] = {}  # unfinished ones
         self._next_id = 0
 

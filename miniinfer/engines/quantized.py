@@ -14,11 +14,11 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from ..core.errors import MiniInferError
-from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from ..core.models import LoadedModel
 from ..runner import ModelRunner
 from ..runner.direct import DirectForward
 from ..runner.quantized import quantized, weight_bytes
+from .config import EngineConfig
 from .continuous import ContinuousEngine
 
 if TYPE_CHECKING:  # imported when a forward is built: loading inductor costs seconds
@@ -47,10 +47,8 @@ class QuantizedEngine(ContinuousEngine):
     variants = WEIGHTS
     compiles_ahead = True  # the compiled variants build every bucket's graph, unless warm_up=False
 
-    def __init__(self, lm: LoadedModel, weights: str = "int4",
-                 compile_options: CompileOptions | None = None,
-                 block_size: int = DEFAULT_BLOCK_SIZE, num_blocks: int | None = None,
-                 kv_cache_bytes: int | None = None, attention_backend: str | None = None,
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *,
+                 weights: str = "int4", compile_options: CompileOptions | None = None,
                  warm_up: bool = True, **options) -> None:
         if weights not in WEIGHTS:
             raise MiniInferError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHTS)}")
@@ -59,8 +57,9 @@ class QuantizedEngine(ContinuousEngine):
             model = quantized(lm, bits)
         except ValueError as error:
             raise MiniInferError(str(error)) from None
-        runner = ModelRunner(lm, KVCacheConfig(block_size, num_blocks, kv_cache_bytes),
-                             forward="direct", attention_backend=attention_backend)
+        config = EngineConfig.of(config, **options)
+        runner = ModelRunner(lm, config.kv_cache, forward="direct",
+                             attention_backend=config.attention_backend)
         # The runner's own forwards run the model HF's weights make; this one runs ours.
         if eager:
             runner.forward = DirectForward(model, runner.attention)
@@ -71,7 +70,7 @@ class QuantizedEngine(ContinuousEngine):
                                              quantized_compile_options(compile_options),
                                              attention=runner.attention)
             runner.forward_name = "compiled"
-        super().__init__(lm, runner=runner, **options)
+        super().__init__(lm, config, runner=runner)
         # What a decode step reads (codes and scales): its bandwidth floor, not the fp32 one.
         self.weight_bytes = weight_bytes(model)
         if warm_up and not eager:
