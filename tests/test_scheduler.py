@@ -202,13 +202,13 @@ def test_first_scheduled_is_the_first_admission_not_a_readmission():
 
 
 def test_config_defaults_are_the_engine_s_and_bad_values_are_refused():
-    import inspect
+    import dataclasses
 
     from miniinfer import InvalidRequestError
-    from miniinfer.engines.continuous import ContinuousEngine
+    from miniinfer.engines import EngineConfig
 
-    engine_defaults = {name: p.default for name, p in
-                       inspect.signature(ContinuousEngine.__init__).parameters.items()}
+    engine_defaults = dataclasses.asdict(EngineConfig())
+    assert EngineConfig().scheduler == SchedulerConfig()
     config = SchedulerConfig()
     for name in ("max_num_batched_tokens", "max_num_seqs", "chunked_prefill"):
         assert getattr(config, name) == engine_defaults[name], name
