@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .bench.inputs import check_output_path, check_text, read_jsonl, write_atomically
 from .core.errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
-from .core.inputs import check_output_path, check_text, read_jsonl, write_atomically
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -463,7 +463,7 @@ def cmd_repro(args: argparse.Namespace) -> None:
 
 
 def cmd_device(args: argparse.Namespace) -> None:
-    from .core.devices import DEVICES_CSV, device_speed
+    from .bench.devices import DEVICES_CSV, device_speed
     from .core.models import resolve_device
 
     speed = device_speed(resolve_device(args.device), store=args.measure, remeasure=args.measure)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
-from miniinfer.core.devices import DecodeFloor, decode_floor, kv_bytes_per_token
+from miniinfer.bench.devices import DecodeFloor, decode_floor, kv_bytes_per_token
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 3, 4, 2, 16, 64, 128, 49152
 PARAMS = (VOCAB * HIDDEN  # the embedding, also the LM head

@@ -11,10 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from miniinfer.bench.offline import make_prompts
-from miniinfer.bench.profiling import phase_table, profile_decode
-from miniinfer.core import devices
-from miniinfer.core.devices import (
+from miniinfer.bench import devices
+from miniinfer.bench.devices import (
     DeviceSpeed,
     LoadGuard,
     decode_floor,
@@ -23,6 +21,8 @@ from miniinfer.core.devices import (
     read_devices,
     write_device,
 )
+from miniinfer.bench.offline import make_prompts
+from miniinfer.bench.profiling import phase_table, profile_decode
 from miniinfer.engines import make_engine
 
 
@@ -560,8 +560,8 @@ def test_chapter05_roofline_points_from_the_recorded_traces(smollm2):
 def test_kv_reservation_matches_the_bytes_the_live_caches_hold(tiny):
     from transformers import DynamicCache
 
+    from miniinfer.bench.devices import kv_bytes_per_token
     from miniinfer.book.analysis import kv_reservation
-    from miniinfer.core.devices import kv_bytes_per_token
     from miniinfer.core.sampling import SamplingParams
     from miniinfer.engines.base import left_pad
 

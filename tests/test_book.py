@@ -95,8 +95,8 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
         tiny, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
+    from miniinfer.bench import devices
     from miniinfer.book import results
-    from miniinfer.core import devices
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(devices, "YOURS_DIR", tmp_path)  # this reader's recordings, read live
@@ -136,8 +136,8 @@ def test_a_live_table_names_its_host_as_the_recorded_tables_do(tiny, monkeypatch
     """A notebook's live cells print the device by the name the recorded tables read back
     (a CPU with its instruction set), so a live row on a Zen 3 is not taken for the recorded
     Zen 4's; a GPU is named as it is."""
+    from miniinfer.bench import devices
     from miniinfer.book.results import with_isa
-    from miniinfer.core import devices
 
     isa = devices.device_isa(tiny.device)
     label = devices.device_label(tiny.device)

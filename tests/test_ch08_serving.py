@@ -212,7 +212,7 @@ def test_median_of_repeats_groups_a_run_by_what_tells_runs_apart():
 
 def test_a_recording_in_another_dtype_writes_its_tables_in_their_own_folder(tmp_path,
                                                                            monkeypatch):
-    monkeypatch.setattr("miniinfer.core.devices.YOURS_DIR", tmp_path)  # a recording of yours
+    monkeypatch.setattr("miniinfer.bench.devices.YOURS_DIR", tmp_path)  # a recording of yours
     config = ServingBenchConfig(
         systems=("continuous",), max_num_batched_tokens=(16,), warmup=False, chapter="11",
         workload=WorkloadConfig(num_requests=2, request_rate=40.0, prompt_len=(2, 8),
@@ -229,7 +229,7 @@ def test_a_recording_in_another_dtype_writes_its_tables_in_their_own_folder(tmp_
 def test_a_recording_cut_off_keeps_the_experiments_that_finished(tmp_path, monkeypatch):
     """The H200's first chapter 08 run was stopped by the lease's end after two of three
     experiments and wrote nothing: each finished experiment is on disk at once now."""
-    monkeypatch.setattr("miniinfer.core.devices.YOURS_DIR", tmp_path)  # a recording of yours
+    monkeypatch.setattr("miniinfer.bench.devices.YOURS_DIR", tmp_path)  # a recording of yours
     config = ServingBenchConfig(
         systems=("continuous",), max_num_batched_tokens=(16,), warmup=False, chapter="08",
         workload=WorkloadConfig(num_requests=2, request_rate=40.0, prompt_len=(2, 8),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import miniinfer.book.quantization as chapter13
+from miniinfer.bench.devices import device_slug, run_metadata
 from miniinfer.bench.quality import AGREEMENT_PROMPTS, QUALITY_FORMATS, quality_text, windows
-from miniinfer.core.devices import device_slug, run_metadata
 
 
 @pytest.fixture(scope="module")

@@ -29,8 +29,8 @@ import miniinfer.cli
 import miniinfer.core.models
 import miniinfer.server.app
 from miniinfer import InvalidRequestError, SamplingParams, make_engine
+from miniinfer.bench.inputs import MAX_INPUT_BYTES, write_atomically
 from miniinfer.cli import main
-from miniinfer.core.inputs import MAX_INPUT_BYTES, write_atomically
 from miniinfer.engines.continuous import ContinuousEngine
 
 LONG = "word " * 600  # tiny's context is 512 positions

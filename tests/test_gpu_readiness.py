@@ -566,14 +566,14 @@ def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
     loads = []
     monkeypatch.setattr(repro, "load_model", lambda name, device: loads.append(name) or tiny)
     monkeypatch.setattr(repro, "REPO_ROOT", tmp_path)
-    monkeypatch.setattr("miniinfer.core.devices.YOURS_DIR", tmp_path / "results")
+    monkeypatch.setattr("miniinfer.bench.devices.YOURS_DIR", tmp_path / "results")
     monkeypatch.delenv("MINIINFER_RECORD_FOR_BOOK", raising=False)
     monkeypatch.setattr(repro, "default_workload", lambda device: (
         "tiny", BenchConfig(batch_sizes=(1,), prompt_len=8, new_tokens=3, warmup=0, repeat=1)))
     bench, timeline = repro.run_chapter07("cpu")
     assert loads == ["tiny"]
     assert bench.is_file() and timeline.is_file()
-    from miniinfer.core.devices import device_isa
+    from miniinfer.bench.devices import device_isa
     assert set(pd.read_csv(timeline).isa) == {device_isa(tiny.device)}  # which host drew it
 
 

@@ -304,7 +304,7 @@ def test_kernel_bandwidth_counts_the_cache_bytes_and_rotates_past_the_l2(monkeyp
     K and V of every block the batch holds, the caches rotate so that together they pass
     ``rotate_bytes``, and the rate is those bytes over the median time."""
     from miniinfer.bench import kernels as kernel_bench
-    from miniinfer.core.devices import DeviceSpeed
+    from miniinfer.bench.devices import DeviceSpeed
 
     monkeypatch.setattr(kernel_bench, "device_speed",
                         lambda device: DeviceSpeed("cpu-x", "x", 10.0, 100.0, 1, "test", "t"))

@@ -8,12 +8,12 @@ import pandas as pd
 import pytest
 import torch
 
+from miniinfer.bench import devices
 from miniinfer.book import hf_ratio_sentences, results_markdown
 from miniinfer.book.chapters import CHAPTERS
 from miniinfer.book.overview import CHAPTERS_DIR
 from miniinfer.book.recordings import results_path
 from miniinfer.book.results import RESULTS, read_results, recorded_results, recorded_runs
-from miniinfer.core import devices
 from miniinfer.core.errors import MiniInferError
 
 

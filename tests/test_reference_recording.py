@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from miniinfer.bench.devices import REPO_ROOT
 from miniinfer.book.chapters import CHAPTERS, REFERENCE_DEVICES, reference_device
 from miniinfer.book.repro import REPRO_LOGS
 from miniinfer.book.results import read_results, reference_files
-from miniinfer.core.devices import REPO_ROOT
 
 RECORDED = [number for number, ch in CHAPTERS.items() if ch.recording != "none"]
 

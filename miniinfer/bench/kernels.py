@@ -13,9 +13,9 @@ import time
 import pandas as pd
 import torch
 
-from ..core.devices import device_speed, run_metadata, sync
 from ..core.kernels import get_backend
 from ..core.models import dtype_name
+from .devices import device_speed, run_metadata, sync
 
 # Qwen2.5-7B's attention: 28 query heads sharing 4 K/V heads of 128.
 QWEN_HEADS, QWEN_KV_HEADS, QWEN_HEAD_DIM = 28, 4, 128

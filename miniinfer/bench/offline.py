@@ -16,7 +16,7 @@ ratio of two medians, and the min-max spread says how far a single ratio can be 
 (prefill, the time to the first token) and ``decode_tok_s`` (tokens after the first over the
 time after the first) split it into its two phases. Every row also records how busy the
 machine was around its batch size's runs (``load_before``, ``load_after``, ``steal_pct``,
-``busy``; see :class:`miniinfer.core.devices.LoadGuard`), and the speed of light it is compared
+``busy``; see :class:`miniinfer.bench.devices.LoadGuard`), and the speed of light it is compared
 with comes from the device table (one bandwidth and peak compute per device).
 """
 
@@ -30,11 +30,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..core.devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
 from ..core.errors import InvalidRequestError, keep_on_interrupt
 from ..core.models import LoadedModel, dtype_name
 from ..core.sampling import SamplingParams
 from ..engines import Engine, GenerationResult, make_engine, resolve_engine
+from .devices import DeviceSpeed, LoadGuard, decode_floor, device_speed, run_metadata
 from .peers import PEERS, check_peer
 
 # SmolLM2's special tokens sit below this id; benchmark prompts avoid them.

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..bench.offline import make_bench_engine, run_bench, summary_table
 from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.serving import ServingBenchConfig
 from ..bench.serving.http import run_http_bench
-from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device, smollm2_cache
 from ..core.sampling import SamplingParams
 from ..engines import make_engine

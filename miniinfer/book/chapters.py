@@ -73,7 +73,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             idea="what each chapter adds and every stage's recorded results at a glance"),
     Chapter("01", "01_naive_hf_decode", "Decoding by hand, and the baseline to beat",
             stages=("hf", "naive"),
-            modules=("miniinfer.core.models", "miniinfer.bench.offline", "miniinfer.core.devices"),
+            modules=("miniinfer.core.models", "miniinfer.bench.offline", "miniinfer.bench.devices"),
             engines=("hf", "naive")),
     Chapter("02", "02_paged_kv_cache", "A paged KV cache", stages=("paged-loop",),
             modules=("miniinfer.core.kv_cache",), engines=("hf", "naive", "paged-loop")),

@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, recording_root, run_metadata
 from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.peers.vllm_bench_serve import ENDPOINTS, RandomPrompts, run_vllm_bench_serve
 from ..bench.peers.vllm_server import start_vllm_server
-from ..core.devices import REPO_ROOT, device_slug, recording_root, run_metadata
 from ..core.models import smollm2_cache
 
 

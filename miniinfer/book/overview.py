@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.devices import REPO_ROOT
+from ..bench.devices import REPO_ROOT
 from .chapters import CHAPTERS, chapter_of_stage
 from .results import recorded_devices
 

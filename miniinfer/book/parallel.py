@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root
 from ..bench.offline import run_bench, summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root
 from ..core.models import load_model, resolve_device
 from .chapters import CHAPTERS
 from .workloads import default_workload
@@ -19,7 +19,7 @@ def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
     """Chapter 12 on this machine: the time of one gloo all-reduce by message size at N = 2
     and 3 (``<device>-allreduce.csv``), then hf, ``continuous`` (TP=1) and ``tensor-parallel``
     at TP=3 benchmarked in one run (``<device>.csv``; SmolLM2's 3 KV heads allow 3)."""
-    from ..core.devices import run_metadata
+    from ..bench.devices import run_metadata
     from ..engines import make_engine
     from ..runner.tensor_parallel_costs import measure_all_reduce
     from .workloads import TENSOR_PARALLEL

@@ -12,9 +12,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..bench.peers import PeerMissingError, llama_cpp
 from ..bench.quality import quality_rows
-from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..core.models import LoadedModel, _smollm2_gguf, cache_dir, load_model
 from .workloads import default_workload
 

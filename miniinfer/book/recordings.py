@@ -11,10 +11,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..bench.offline import run_bench, summary_table
 from ..bench.serving import WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..core.errors import MiniInferError
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
 from .catching import run_chapter11
@@ -64,9 +64,9 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     ``attention_gather_ms``, the block gather a reference paged attention does inside the
     forward (0 for stages that gather in the engine, or for a kernel that reads blocks in
     place)."""
+    from ..bench.devices import LoadGuard, decode_floor, run_metadata
     from ..bench.offline import make_prompts, own_threads, run_metrics
     from ..bench.profiling import phase_table, profile_decode
-    from ..core.devices import LoadGuard, decode_floor, run_metadata
     from ..core.kv_cache import DEFAULT_BLOCK_SIZE, blocks_for
     from ..core.sampling import SamplingParams
     from ..engines import make_engine

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.devices import FOR_BOOK_ENV, REPO_ROOT, RESULTS_DIR, git_sha
+from ..bench.devices import FOR_BOOK_ENV, REPO_ROOT, RESULTS_DIR, git_sha
 from ..core.errors import MiniInferError, UnknownNameError
 from ..core.models import resolve_device
 from .chapters import CHAPTERS

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from ..core.devices import RESULTS_DIR, YOURS_DIR, cpu_label
+from ..bench.devices import RESULTS_DIR, YOURS_DIR, cpu_label
 from .chapters import REFERENCE_DEVICES, chapter_of_stage, reference_device
 from .presets import Preset
 
@@ -31,7 +31,7 @@ def read_results(path) -> pd.DataFrame:
 
 
 def with_isa(names: pd.Series, isa: pd.Series) -> pd.Series:
-    """CPUs' names as the tables show them (:func:`~miniinfer.core.devices.cpu_label`)."""
+    """CPUs' names as the tables show them (:func:`~miniinfer.bench.devices.cpu_label`)."""
     return pd.Series([cpu_label(n, i) for n, i in zip(names, isa, strict=True)],
                      index=names.index, dtype=object)
 
@@ -192,7 +192,7 @@ def load_note(df: pd.DataFrame) -> str:
 
 def device_table() -> pd.DataFrame:
     """The speed of light of every recorded device (``data/results/devices.csv``)."""
-    from ..core.devices import DEVICES_CSV
+    from ..bench.devices import DEVICES_CSV
 
     return pd.read_csv(DEVICES_CSV) if DEVICES_CSV.exists() else pd.DataFrame()
 
@@ -265,8 +265,8 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     the reader's ``make chapter-NN`` has just written for this device
     (``data/yours/chNN/<device><suffix>.csv``) is shown as is (re-measuring it would only double
     the wait); otherwise, and when this device has no CSV yet, it is measured now."""
+    from ..bench.devices import device_slug, recording_root
     from ..bench.offline import run_bench
-    from ..core.devices import device_slug, recording_root
 
     path = recording_root() / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():

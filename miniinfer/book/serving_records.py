@@ -7,9 +7,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..bench.devices import REPO_ROOT, device_slug, recording_root
 from ..bench.serving import ServingBenchConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.devices import REPO_ROOT, device_slug, recording_root
 from ..core.models import load_model
 
 

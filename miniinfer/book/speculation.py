@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from ..core.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
+from ..bench.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
 from ..core.models import LoadedModel, chat_text, dtype_name, load_model, resolve_device
 from ..core.sampling import SamplingParams
 from ..engines import make_engine

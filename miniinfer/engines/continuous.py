@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.devices import sync
 from ..core.errors import InvalidRequestError, MiniInferError
+from ..core.hardware import sync
 from ..core.kv_cache import (
     PagedKVCache,
     RequestId,

@@ -68,8 +68,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.codecache import PyCodeCache
 from transformers import PreTrainedModel
 
-from ..core.devices import device_isa
 from ..core.errors import MiniInferError, one_line
+from ..core.hardware import device_isa
 from ..core.kernels import cpu_decode
 from ..core.kv_cache import PagedKVCache
 from .attention import PagedAttention

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..core.devices import REPO_ROOT
+from ..core.hardware import REPO_ROOT
 
 _URL_LINE = re.compile(r"miniinfer: serving .* at (http://\S+)/v1")
 

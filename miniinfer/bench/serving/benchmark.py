@@ -17,10 +17,10 @@ from typing import Any, TypeVar
 import pandas as pd
 from tqdm.auto import tqdm
 
-from ...core.devices import LoadGuard, run_metadata
 from ...core.errors import InvalidRequestError, keep_on_interrupt
 from ...core.models import LoadedModel, dtype_name
 from ...core.openmp import release_openmp_threads
+from ..devices import LoadGuard, run_metadata
 from ..offline import own_threads
 from ..peers import VLLM
 from .metrics import request_table, step_table, summarize

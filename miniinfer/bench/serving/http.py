@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import pandas as pd
 
-from ...core.devices import run_metadata
 from ...core.errors import InvalidRequestError
 from ...core.models import LoadedModel, dtype_name
 from ...core.scheduler import RequestTimeline
+from ..devices import run_metadata
 from .benchmark import ServingResults
 from .metrics import request_table, summarize
 from .systems import ServedRequest, ServingRun

@@ -20,7 +20,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from ...core.devices import kv_bytes_per_token
 from ...core.errors import UnknownNameError
 from ...core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig
 from ...core.models import LoadedModel
@@ -29,6 +28,7 @@ from ...core.scheduler import RequestTimeline
 from ...engines import ENGINES, Engine, make_engine
 from ...engines.continuous import ContinuousEngine, StepResult
 from ...engines.prefix_cache import PrefixCacheEngine
+from ..devices import kv_bytes_per_token
 from ..peers import VLLM, check_peer
 from .workloads import WorkloadRequest
 

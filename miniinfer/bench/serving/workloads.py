@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import InvalidRequestError
-from ...core.inputs import check_input_file, read_jsonl
 from ...core.models import LoadedModel
+from ..inputs import check_input_file, read_jsonl
 from ..offline import FIRST_PLAIN_TOKEN
 
 WORKLOAD_KINDS = ("random", "shared-prefix", "multi-turn")

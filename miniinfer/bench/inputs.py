@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import InvalidRequestError
+from ..core.errors import InvalidRequestError
 
 # Prompt and dataset files are read whole. Real ones are kilobytes to a few hundred MB; a
 # bigger one is a mistake (a disk image, a log that keeps growing) that would exhaust memory.

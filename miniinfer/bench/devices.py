@@ -18,10 +18,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from .kv_cache import kv_bytes_per_block
-from .models import LoadedModel
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from ..core.hardware import REPO_ROOT, device_isa, sync
+from ..core.kv_cache import kv_bytes_per_block
+from ..core.models import LoadedModel
 
 
 def device_name(device: torch.device) -> str:
@@ -49,17 +48,6 @@ def device_label(device: torch.device) -> str:
     :func:`cpu_label` (so a live table says which of two hosts of one name it ran on)."""
     name = device_name(device)
     return name if device.type == "cuda" else cpu_label(name, device_isa(device))
-
-
-def device_isa(device: torch.device) -> str:
-    """What the device computes with, beyond its name: hosts sold under one CPU name differ
-    (an "AMD EPYC" VM here was a Zen 4 with AVX-512 one day and a Zen 3 with AVX2 only the
-    next), and that decides which kernels can run (bf16 needs AVX-512). A CPU's vector
-    extension as PyTorch dispatches to it (``AVX512``, ``AVX2``, ...); a GPU's ``sm_XY``."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
-    return torch.backends.cpu.get_cpu_capability()
 
 
 def device_slug(device: torch.device) -> str:
@@ -101,11 +89,6 @@ def run_metadata(device: torch.device) -> dict[str, str | int]:
         "git_sha": git_sha(),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _best_time(device: torch.device, work, repeats: int) -> float:
