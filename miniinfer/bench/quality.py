@@ -34,16 +34,22 @@ def quality_text() -> str:
     return "\n\n".join((TEXTS_DIR / name).read_text() for name in TEXT_FILES)
 
 
-def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Causal attention over the whole sequence, ``[T, heads, dim]`` in and out (GQA: the
-    key/value heads repeated)."""
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      **mask) -> torch.Tensor:
+    """SDPA on ``[T, heads, dim]`` queries over ``[S, kv_heads, dim]`` keys and values (GQA:
+    the key/value heads repeated), ``[T, heads, dim]`` out; ``mask``: SDPA's ``is_causal`` or
+    ``attn_mask``."""
     groups = q.shape[1] // k.shape[1]
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 0),
-                                         v.repeat_interleave(groups, 0), is_causal=True,
-                                         scale=scale)
+                                         v.repeat_interleave(groups, 0), scale=scale, **mask)
     return out.transpose(0, 1)
+
+
+def causal_attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal attention over the whole sequence, ``[T, heads, dim]`` in and out."""
+    return grouped_attention(q, k, v, scale, is_causal=True)
 
 
 @torch.inference_mode()
@@ -99,12 +105,7 @@ def greedy_continuations(model: Model, prompts: Sequence[Sequence[int]],
         if layer in cache:
             k, v = (torch.cat([old, new]) for old, new in zip(cache[layer], (k, v), strict=True))
         cache[layer] = k, v
-        groups = q.shape[1] // k.shape[1]
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(groups, 0),
-                                             v.repeat_interleave(groups, 0), attn_mask=mask,
-                                             scale=scale)
-        return out.transpose(0, 1)
+        return grouped_attention(q, k, v, scale, attn_mask=mask)
 
     for _ in range(new_tokens):
         queries = torch.tensor([(i, pos) for i, pos, _ in step], device=device)

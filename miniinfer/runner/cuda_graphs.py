@@ -67,7 +67,7 @@ class StaticDecode:
                  size: int, width: int, scratch: int, emulate: bool, pool) -> None:
         device = kv_cache.kv.device
         block_size = kv_cache.block_size
-        self.size, self.scratch, self.scratch_slot = size, scratch, scratch * block_size
+        self.scratch, self.scratch_slot = scratch, scratch * block_size
         self.tables = torch.full((size, width), scratch, dtype=torch.int32, device=device)
         self.batch = decode_batch(
             torch.zeros(size, dtype=torch.long, device=device),

@@ -30,6 +30,8 @@ import torch
 
 # Fields held as int32 (block tables and lengths, as the kernels read them); the others int64.
 INT32_FIELDS = ("block_tables", "context_lens", "query_starts", "token_rows")
+# The fields that are numbers on the host, not tensors.
+NUMBER_FIELDS = ("num_decodes", "max_query_len", "max_context_len")
 
 
 @dataclass(slots=True)
@@ -79,7 +81,7 @@ class StepBatch:
         values, offset = {}, 0
         for i, field in enumerate(dataclasses.fields(cls)):
             rows, cols = header[2 * i : 2 * i + 2]
-            if field.type in ("int", "int | None"):
+            if field.name in NUMBER_FIELDS:
                 values[field.name] = None if rows < 0 else rows
                 continue
             if rows < 0:
@@ -103,7 +105,7 @@ class StepBatch:
         total = 0
         for i, field in enumerate(dataclasses.fields(StepBatch)):
             rows, cols = header[2 * i : 2 * i + 2]
-            if field.type not in ("int", "int | None") and rows >= 0:
+            if field.name not in NUMBER_FIELDS and rows >= 0:
                 total += rows * cols if cols >= 0 else rows
         return total
 
