@@ -392,13 +392,18 @@ def test_prepacked_linears_share_the_models_fused_weights_and_fall_back_without(
     assert isinstance(qkv, PrepackedLinear) and qkv.weight is dense.weight  # swapped, shared
     assert type(dense).forward is not PrepackedLinear.forward  # the dense model is unchanged
     attn, mlp = tiny.model.model.layers[0].self_attn, tiny.model.model.layers[0].mlp
-    # The fused weights are copies: HF's own projections stay where they were, each its own
-    # tensor (views into one tensor misled inductor's GEMM template, see the test above).
-    fused = {qkv.weight.untyped_storage().data_ptr(),
-             packed.layers[0].feed_forward.gate_up.weight.untyped_storage().data_ptr()}
-    for projection in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-        assert projection.weight.storage_offset() == 0
-        assert projection.weight.untyped_storage().data_ptr() not in fused
+    # Every weight the graphs see is a whole tensor of its own (views into one tensor misled
+    # inductor's GEMM template, see the test above); HF's own projections, which no graph
+    # sees, are the views: rows of the fused weights.
+    for weight in (p for p in packed.parameters() if p.dim() == 2):
+        assert weight.storage_offset() == 0
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    gate_up = packed.layers[0].feed_forward.gate_up.weight
+    for projection, fused in ((attn.q_proj, qkv.weight), (attn.k_proj, qkv.weight),
+                              (attn.v_proj, qkv.weight), (mlp.gate_proj, gate_up),
+                              (mlp.up_proj, gate_up)):
+        assert projection.weight.untyped_storage().data_ptr() == \
+            fused.untyped_storage().data_ptr()
     torch.testing.assert_close(
         qkv.weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     x = torch.randn(5, qkv.weight.shape[1])

@@ -15,6 +15,7 @@ from miniinfer.core.kv_cache import (
     KVCacheConfig,
     PagedKVCache,
     blocks_for,
+    zeroed_pool,
 )
 
 
@@ -208,8 +209,44 @@ def test_truncate_takes_back_tokens_and_frees_exactly_the_blocks_it_empties():
         manager.slot("a", 5)
     with pytest.raises(InvalidRequestError, match="holds 5 tokens; cannot take back 6"):
         manager.truncate("a", 6)
-    assert manager.append("a", 4) == [5]  # 9 tokens: the free list's next block
-    assert manager.truncate("a", 9) == [0, 1, 5]  # all of it: an empty table
+    assert manager.append("a", 4) == [3]  # 9 tokens: the block given back last comes first
+    assert manager.truncate("a", 9) == [0, 1, 3]  # all of it: an empty table
     assert manager.block_tables["a"] == [] and manager.num_tokens["a"] == 0
     manager.free("a")
     assert manager.num_free_blocks == 5
+
+
+def test_blocks_given_back_are_taken_again_first():
+    # So a pool the OS maps on first write stays resident only up to the most blocks ever in
+    # use at once: requests that come and go one at a time reuse the same few blocks.
+    manager = BlockManager(num_blocks=8, block_size=4)
+    used = set()
+    for n in range(20):
+        manager.add(n, 6)
+        manager.append(n, 3)  # a third block for tokens 8-9
+        used.update(last := list(manager.block_tables[n]))
+        manager.free(n)
+    assert used == {0, 1, 2}  # never more than one request's three blocks
+    assert list(manager.free_list)[:3] == last[::-1]  # the last request's, its last block first
+    assert manager.add("a", 4) == [last[2]] and manager.add("b", 4) == [last[1]]
+    manager.free("a")
+    assert manager.add("c", 4) == [last[2]]
+
+
+def _resident_anon_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssAnon"))
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"),
+                    reason="resident memory read from Linux's /proc")
+def test_a_cpu_pool_is_resident_only_where_written():
+    before = _resident_anon_kib()
+    pool = zeroed_pool((4, 2, 1024, 16, 8, 64), torch.float32, "cpu")  # 256 MiB of zeros
+    assert pool.nbytes == 256 << 20 and pool.is_contiguous()
+    assert _resident_anon_kib() - before < 32 << 10  # not written: not resident
+    pool[0, 0, 3] = 1.0  # one block of one layer
+    assert _resident_anon_kib() - before < 32 << 10
+    assert torch.count_nonzero(pool) == 16 * 8 * 64  # reading maps the OS's zero page
+    assert _resident_anon_kib() - before < 32 << 10
+    assert zeroed_pool((2, 3), torch.bfloat16, "cpu").eq(0).all()

@@ -45,6 +45,24 @@ def test_the_model_is_built_once_and_swaps_share_its_weights(tiny):
     torch.testing.assert_close(swapped.head(hidden), 2 * model.head(hidden))
 
 
+def test_hf_modules_run_on_our_weights_held_once(tiny):
+    model = load(tiny.model)
+    hf_layer = tiny.model.model.layers[1]
+    q, k, v = model.layers[1].attention.qkv.weight.split(model.layers[1].attention.qkv_sizes)
+    gate, up = model.layers[1].feed_forward.gate_up.weight.chunk(2)
+    for hf_weight, ours in ((hf_layer.self_attn.q_proj.weight, q),
+                            (hf_layer.self_attn.k_proj.weight, k),
+                            (hf_layer.self_attn.v_proj.weight, v),
+                            (hf_layer.mlp.gate_proj.weight, gate), (hf_layer.mlp.up_proj.weight, up),
+                            (hf_layer.self_attn.o_proj.weight, model.layers[1].attention.out.weight),
+                            (tiny.model.lm_head.weight, model.lm_head.weight)):
+        assert hf_weight.data_ptr() == ours.data_ptr() and hf_weight.shape == ours.shape
+    # Every HF parameter's memory is one of ours: nothing HF loaded is held besides.
+    ours = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert {p.untyped_storage().data_ptr() for p in tiny.model.parameters()} <= ours
+    assert model.embed.data_ptr() == model.lm_head.weight.data_ptr()  # tied: one copy
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_k_plus_1_positions_scored_in_one_step_equal_k_plus_1_single_steps(tiny, k):
     assert tiny.dtype == torch.float32

@@ -12,6 +12,7 @@ comes back the moment the request finishes, so no request reserves room it may n
 
 from __future__ import annotations
 
+import mmap
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -73,6 +74,23 @@ class KVCacheConfig:
             return self.kv_cache_bytes // bytes_per_block
         enough = DEFAULT_MAX_SEQUENCES * blocks_for(max_context, self.block_size)
         return max(1, min(DEFAULT_MEMORY_BYTES // bytes_per_block, enough))
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+                ) -> torch.Tensor:
+    """A KV pool of zeros. Zeros, not empty: a dense gather may read a slot no token was
+    written to yet (its value is then masked or overwritten), and garbage there could be NaN,
+    which a zero attention weight does not cancel.
+
+    On a CPU the zeros are the operating system's: anonymous memory it maps page by page on
+    first write, so the pool costs resident memory only for the blocks requests have used
+    (``torch.zeros`` would write, and so make resident, every page of it up front)."""
+    device = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # The tensor holds the mapping (frombuffer keeps its buffer alive) and unmaps it with it.
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 class BlockManager:
@@ -146,8 +164,11 @@ class BlockManager:
         return freed
 
     def _release(self, blocks: list[int]) -> None:
-        """Blocks a request let go of (a subclass may keep them for others: chapter 09)."""
-        self.free_list.extend(blocks)
+        """Blocks a request let go of (a subclass may keep them for others: chapter 09). They
+        are the next taken, the last given first: a pool whose memory the OS maps on first
+        write (``zeroed_pool``) then stays resident only up to the most blocks ever in use at
+        once, not the whole pool, and a block taken again is still warm in the caches."""
+        self.free_list.extendleft(blocks)
 
     def slot(self, request_id: RequestId, t: int) -> int:
         """Where token ``t`` of the request lives in the pool, counted in tokens."""
@@ -195,13 +216,9 @@ class PagedKVCache:
         bytes_per_block = kv_bytes_per_block(model_config, lm.dtype, block_size)
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, lm.max_context)
         self.block_manager = BlockManager(num_blocks, block_size)
-        # Zeros, not empty: a dense gather may read a slot no token was written to yet (its
-        # value is then masked or overwritten), and garbage there could be NaN, which a zero
-        # attention weight does not cancel.
-        self.kv = torch.zeros(
+        self.kv = zeroed_pool(
             (self.num_layers, 2, num_blocks, block_size, self.kv_heads, self.head_dim),
-            dtype=lm.dtype, device=lm.device,
-        )
+            lm.dtype, lm.device)
 
     @property
     def block_size(self) -> int:

@@ -39,11 +39,12 @@ request's blocks into a dense tensor in every layer of every step.
 - compiled graphs (and autotuning results) persist in inductor's on-disk cache (its own
   default place, ``/tmp/torchinductor_<user>``, or ``TORCHINDUCTOR_CACHE_DIR``), so a second
   process reuses them instead of compiling again.
-- **one packed copy of the weights**: every bucket's graph packs the weights for its GEMM
-  template the same way, and inductor keeps each graph's packed copy (and, for its in-memory
-  "mega-cache", the bytes of each cache entry again). On a CPU the copies that equal one
-  already held share its memory, and the cache entries' bytes are let go: SmolLM2-135M's
-  process held 10.4 GiB resident after compiling every bucket on our Zen 3, 4.6 GiB with this.
+- **one packed copy of the weights per kind of GEMM**: every bucket's graph packs the weights
+  for its GEMM template the same way, and inductor keeps each graph's packed copy (and, for
+  its in-memory "mega-cache", the bytes of each cache entry again). On a CPU the copies that
+  equal one already held share its memory, the cache entries' bytes are let go, and the heap
+  memory a compile freed is given back to the OS. The weights are then held three times: as
+  they are (the model's), packed for the template and packed for oneDNN.
 
 Where ``torch.compile`` cannot run (a torch without the needed inductor, no C++ compiler, a
 platform inductor cannot build for), the forward says why in one warning and runs the eager
@@ -52,6 +53,7 @@ direct forward. On CUDA the graphs are compiled with ``mode="reduce-overhead"`` 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import time
@@ -528,6 +530,7 @@ class CompiledForward:
             if self.device.type == "cpu":
                 self.shared_constant_bytes += share_constants(
                     _loaded_graph_modules()[loaded:], self._constants)
+                _return_freed_heap()
         return out
 
     def warm_up(self, token_counts: Sequence[int] | None = None) -> dict[tuple[str, int], float]:
@@ -611,6 +614,25 @@ def share_constants(modules: Sequence, held: dict[tuple, list[torch.Tensor]]) ->
             with torch.inference_mode(value.is_inference()):
                 value.set_(equal)
     return saved
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim`` (None where the C library has none: macOS, musl)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def _return_freed_heap() -> None:
+    """Give the heap memory a compile freed back to the OS. Compiling (or loading) a graph
+    allocates and frees many weight-sized tensors (packed copies, copies that share_constants
+    then frees), each under glibc's threshold for a memory map of its own, so they come from
+    the heap and freeing them leaves it as large as it was: resident, unused memory."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @contextmanager

@@ -20,9 +20,10 @@ once from HF's state dict and after that nothing reads HF's modules:
   (:class:`PagedAttend`); the compiled forward passes one of its own that reads the pool
   inside the graph. Both run the same :meth:`Model.body`.
 
-The fused projections are new tensors (query, key and value rows stacked; gate and up rows
-stacked); every other weight is HF's own tensor, shared, since the HF model stays in use by the
-static stages. The arithmetic is HF's: the same RMSNorm in fp32, the same rotary frequencies
+The model owns its weights: the fused projections are new tensors (query, key and value rows
+stacked; gate and up rows stacked), every other weight a copy, and HF's parameters become views
+of them (:func:`load`), since the HF model stays in use by the static stages: the weights are
+held once. The arithmetic is HF's: the same RMSNorm in fp32, the same rotary frequencies
 (read from HF's rotary module at load), the same activation. A fused matmul may round its
 outputs differently from three separate ones, so logits agree with HF's modules to fp32
 rounding, not bit for bit.
@@ -227,21 +228,41 @@ def swap_linears(model: nn.Module,
 
 
 def from_state_dict(config, state: dict[str, torch.Tensor], inv_freq: torch.Tensor,
-                    rope_scaling: float) -> Model:
-    """The model from HF's Llama/Qwen2 state dict (names as HF's ``state_dict()`` has them).
-    The fused projections are new tensors; every other weight is the state dict's own."""
+                    rope_scaling: float) -> tuple[Model, dict[str, torch.Tensor]]:
+    """The model from HF's Llama/Qwen2 state dict (names as HF's ``state_dict()`` has them),
+    owning every weight: the fused projections are new tensors, every other weight a copy
+    (one per tensor the state dict holds: a tied LM head stays the embedding). Also returns,
+    by the state dict's names, the tensor of ours each HF weight equals (a row view of a
+    fused projection, or the copy itself)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     eps = config.rms_norm_eps
     act = ACT2FN[config.hidden_act]
+    ours: dict[str, torch.Tensor] = {}
+    copies: dict[tuple, torch.Tensor] = {}  # by what a tensor views: tied weights copied once
+
+    def own(name: str) -> torch.Tensor:
+        t = state[name]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in copies:
+            copies[key] = t.clone(memory_format=torch.contiguous_format)
+        ours[name] = copies[key]
+        return ours[name]
+
+    def fused(names: list[str]) -> torch.Tensor:
+        whole = torch.cat([state[name] for name in names])
+        ours.update(zip(names, whole.split([state[name].shape[0] for name in names])))
+        return whole
 
     def projection(*names: str) -> Linear:
-        weights = [state[f"{name}.weight"] for name in names]
-        biases = [state.get(f"{name}.bias") for name in names]
-        weight = weights[0] if len(names) == 1 else torch.cat(weights)
-        if biases[0] is None:
-            return Linear(weight)
-        return Linear(weight, biases[0] if len(names) == 1 else torch.cat(biases))
+        weights = [f"{name}.weight" for name in names]
+        biases = [f"{name}.bias" for name in names if f"{name}.bias" in state]
+        if biases and len(biases) != len(names):
+            raise ValueError(f"{', '.join(names)}: some have a bias and some do not")
+        one = len(names) == 1
+        weight = own(weights[0]) if one else fused(weights)
+        bias = None if not biases else own(biases[0]) if one else fused(biases)
+        return Linear(weight, bias)
 
     layers = []
     for i in range(config.num_hidden_layers):
@@ -252,13 +273,14 @@ def from_state_dict(config, state: dict[str, torch.Tensor], inv_freq: torch.Tens
             head_dim, head_dim ** -0.5)
         feed_forward = FeedForward(projection(f"{p}mlp.gate_proj", f"{p}mlp.up_proj"),
                                    projection(f"{p}mlp.down_proj"), act)
-        layers.append(DecoderLayer(RMSNorm(state[f"{p}input_layernorm.weight"], eps), attention,
-                                   RMSNorm(state[f"{p}post_attention_layernorm.weight"], eps),
+        layers.append(DecoderLayer(RMSNorm(own(f"{p}input_layernorm.weight"), eps), attention,
+                                   RMSNorm(own(f"{p}post_attention_layernorm.weight"), eps),
                                    feed_forward))
-    embed = state["model.embed_tokens.weight"]
-    head = Linear(state.get("lm_head.weight", embed), state.get("lm_head.bias"))
-    return Model(embed, layers, RMSNorm(state["model.norm.weight"], eps), head, inv_freq,
-                 rope_scaling)
+    embed = own("model.embed_tokens.weight")
+    head = projection("lm_head") if "lm_head.weight" in state else Linear(embed)
+    model = Model(embed, layers, RMSNorm(own("model.norm.weight"), eps), head, inv_freq,
+                  rope_scaling)
+    return model, ours
 
 
 # One model per HF model, built at first use and shared by every runner over it; weak, so a
@@ -268,7 +290,12 @@ _MODELS: weakref.WeakKeyDictionary[PreTrainedModel, Model] = weakref.WeakKeyDict
 
 def load(hf_model: PreTrainedModel) -> Model:
     """Our model over ``hf_model``'s weights (once per HF model). Raises ValueError where
-    :func:`unsupported_reason` says it cannot."""
+    :func:`unsupported_reason` says it cannot.
+
+    After it, HF's parameters are views of ours, so the weights are held once: HF's modules
+    (the static stages run them) compute with the same numbers (a row slice of a contiguous
+    matrix is contiguous), the fused projections do not double the memory of the query, key,
+    value, gate and up weights, and the memory map HF loaded the file into is let go."""
     if hf_model in _MODELS:
         return _MODELS[hf_model]
     reason = unsupported_reason(hf_model)
@@ -276,7 +303,10 @@ def load(hf_model: PreTrainedModel) -> Model:
         raise ValueError(reason)
     rotary = hf_model.model.rotary_emb  # its frequencies, once (a buffer, not in the state dict)
     with torch.no_grad():
-        model = from_state_dict(hf_model.config, hf_model.state_dict(), rotary.inv_freq,
-                                float(rotary.attention_scaling))
+        model, ours = from_state_dict(hf_model.config, hf_model.state_dict(), rotary.inv_freq,
+                                      float(rotary.attention_scaling))
+        for name, param in hf_model.named_parameters():
+            if name in ours:
+                param.data = ours[name]
     _MODELS[hf_model] = model.eval()
     return model

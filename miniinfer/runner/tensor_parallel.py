@@ -72,6 +72,7 @@ from transformers import PreTrainedModel
 
 from ..core.errors import InvalidRequestError, MiniInferError
 from ..core.models import LoadedModel, load_model
+from ..core.kv_cache import zeroed_pool
 from .attention import PagedAttention
 from .direct import DirectForward
 from .model import Linear, Model, load, swap_linears, unsupported_reason
@@ -261,8 +262,8 @@ def allocate_kv_pool(config, layout: ShardLayout, num_blocks: int, block_size: i
                      dtype: torch.dtype, device: torch.device
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One rank's pool, its KV heads only; per layer the (k_cache, v_cache) views."""
-    kv = torch.zeros((config.num_hidden_layers, 2, num_blocks, block_size,
-                      layout.kv_heads_per_rank, layout.head_dim), dtype=dtype, device=device)
+    kv = zeroed_pool((config.num_hidden_layers, 2, num_blocks, block_size,
+                      layout.kv_heads_per_rank, layout.head_dim), dtype, device)
     return [(layer[0], layer[1]) for layer in kv]
 
 
