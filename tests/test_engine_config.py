@@ -33,3 +33,18 @@ def test_an_unknown_option_is_named(tiny, name):
                                                   r"options: max_num_batched_tokens"):
         make_engine(name, tiny, max_batch=8, warm_up=False) if name == "compiled" else \
             make_engine(name, tiny, max_batch=8)
+
+
+def test_the_cpu_kernel_as_the_engines_attention_gives_the_same_tokens(tiny):
+    from miniinfer import SamplingParams
+    from miniinfer.core.kernels import cpu_decode
+
+    if cpu_decode.load() is not None:
+        pytest.skip(f"the C++ kernel does not build here: {cpu_decode.load()}")
+    prompts = [list(range(5, 30)), list(range(40, 47)), list(range(60, 100))]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    engine = make_engine("continuous", tiny, attention_backend="cpu", max_num_batched_tokens=32)
+    assert engine.runner.attention.backend.name == "cpu"
+    assert engine.runner.attention.prefill_backend.name == "cpu"  # chunks through it too
+    expected = make_engine("continuous", tiny, max_num_batched_tokens=32).generate(prompts, params)
+    assert engine.generate(prompts, params).token_ids == expected.token_ids

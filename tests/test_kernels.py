@@ -29,6 +29,7 @@ from miniinfer.core import kernels
 from miniinfer.core.kernels import (
     BACKENDS,
     available_backends,
+    cpu_decode,
     get_backend,
     store_kv,
     triton_attention,
@@ -233,7 +234,7 @@ def test_auto_picks_the_reference_off_cuda():
 
 
 def test_unknown_backend_lists_the_names():
-    with pytest.raises(UnknownNameError, match="flash-attn, triton, torch"):
+    with pytest.raises(UnknownNameError, match="flash-attn, triton, cpu, torch"):
         get_backend("cudnn", "cpu")
 
 
@@ -243,6 +244,24 @@ def test_unavailable_backend_says_why():
     if triton_attention.triton is not None and not triton_attention.INTERPRETED:
         with pytest.raises(MiniInferError, match="TRITON_INTERPRET=1"):
             get_backend("triton", "cpu")
+
+
+def test_the_cpu_kernel_is_a_backend_for_cpus_only():
+    assert "not cuda" in unavailable_reason("cpu", "cuda")
+    if cpu_decode.load() is not None:
+        pytest.skip(f"the C++ kernel does not build here: {cpu_decode.load()}")
+    assert "cpu" in available_backends("cpu") and get_backend("cpu", "cpu").varlen is not None
+    # The engines' layout (a layer's V blocks right after its K blocks) is read in place; any
+    # other pair of caches is copied into one pool first, with the same result.
+    case = make_case(0, [5, 17, 33], [1, 1, 1], 16, 2, 32, torch.float32)
+    kv = torch.stack([case.k_cache, case.v_cache])
+    args = (case.block_tables, case.context_lens, case.scale)
+    q = case.q
+    in_place = cpu_decode.paged_decode_attention(q, kv[0], kv[1], *args)
+    apart = cpu_decode.paged_decode_attention(q, case.k_cache, case.v_cache.clone(), *args)
+    assert torch.equal(in_place, apart)
+    assert_close(in_place, BACKENDS["torch"].decode(q, case.k_cache, case.v_cache, *args),
+                 torch.float32)
 
 
 def test_triton_refuses_blocks_it_cannot_tile():
@@ -295,7 +314,7 @@ def test_triton_interpreter_runs_on_cpu_tensors():
     args = (case.q, *caches, case.cu_seqlens_q, case.block_tables, case.context_lens, case.scale)
     assert_close(triton_attention.paged_varlen_attention(*args), BACKENDS["torch"].varlen(*args),
                  torch.float32)
-    assert available_backends("cpu") == ["triton", "torch"]
+    assert [name for name in available_backends("cpu") if name != "cpu"] == ["triton", "torch"]
     assert get_backend("auto", "cpu").name == "torch"
 
 

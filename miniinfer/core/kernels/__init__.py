@@ -8,11 +8,14 @@ name       implementation                         runs on
 ========== ====================================== ===================================
 flash-attn ``flash_attn_with_kvcache`` (decode)   CUDA, sm80+, block size % 256 == 0
 triton     our kernel, :mod:`.triton_attention`   CUDA; CPU only through the interpreter
+cpu        chapter 11's C++ op, :mod:`.cpu_decode`     CPU, where it builds
 torch      the reference, :mod:`.reference`       anywhere
 ========== ====================================== ===================================
 
-Chapter 11 adds :mod:`.cpu_decode`: a C++ op for CPUs that the compiled forward's graphs call
-(a token-by-token paged attention over the flat pool), not a backend of this contract.
+Chapter 11 wrote :mod:`.cpu_decode` for the compiled forward's graphs (a token-by-token paged
+attention over the flat pool); as the ``cpu`` backend it serves the eager forwards too, by name
+(an engine's ``attention_backend="cpu"``). "auto" keeps the reference on a CPU: the eager chapters were
+recorded with it, and which is faster where has not been benchmarked in those engines.
 
 Use::
 
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import MiniInferError, UnknownNameError
-from . import flash, reference, triton_attention
+from . import cpu_decode, flash, reference, triton_attention
 from .reference import store_kv
 
 DecodeFn = Callable[..., torch.Tensor]
@@ -76,6 +79,8 @@ BACKENDS: dict[str, AttentionBackend] = {
     "flash-attn": AttentionBackend("flash-attn", flash.paged_decode_attention, None),
     "triton": AttentionBackend("triton", triton_attention.paged_decode_attention,
                                triton_attention.paged_varlen_attention),
+    "cpu": AttentionBackend("cpu", cpu_decode.paged_decode_attention,
+                            cpu_decode.paged_varlen_attention),
     "torch": AttentionBackend("torch", reference.paged_decode_attention,
                               reference.paged_varlen_attention,
                               plan_decode=reference.DecodePlan),
@@ -94,6 +99,10 @@ def unavailable_reason(name: str, device: torch.device | str,
         if reason is None and device.type == "cuda":
             reason = triton_attention.probe(device)  # once per device: a tiny launch
         return reason
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"it is a kernel for CPUs, not {device.type}"
+        return cpu_decode.load()
     if name == "torch":
         return None
     raise UnknownNameError(f"unknown attention backend {name!r}; "

@@ -98,3 +98,46 @@ def paged_token_attention(q: torch.Tensor, pool: torch.Tensor, k_base: int, v_ba
     read in place. Call :func:`unavailable` first."""
     return torch.ops.miniinfer.paged_token_attention(q, pool, k_base, v_base, block_size,
                                                      tables, positions, scale)
+
+
+# -- the op as an attention backend (chapter 06's contract: a layer's k_cache and v_cache) --------
+
+
+def _layer_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """One flat ``[slots, kv_heads, dim]`` pool holding a layer's K and V, with the rows each
+    starts at. The engines' pools keep a layer's V blocks right after its K blocks, so that is
+    a view over both; any other pair of caches is copied into one (correct, slower)."""
+    num_blocks, block_size, kv_heads, dim = k_cache.shape
+    slots = num_blocks * block_size
+    if (k_cache.is_contiguous() and v_cache.is_contiguous()
+            and v_cache.untyped_storage().data_ptr() == k_cache.untyped_storage().data_ptr()
+            and v_cache.data_ptr() == k_cache.data_ptr() + k_cache.nbytes):
+        pool = k_cache.as_strided((2 * slots, kv_heads, dim), (kv_heads * dim, dim, 1))
+    else:
+        pool = torch.cat([k_cache.reshape(slots, kv_heads, dim), v_cache.reshape(slots, kv_heads, dim)])
+    return pool, 0, slots
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """The backend contract's decode (see :mod:`.reference`): request ``i``'s one query sees
+    its ``context_lens[i]`` tokens, the last of which it is."""
+    pool, k_base, v_base = _layer_pool(k_cache, v_cache)
+    return paged_token_attention(q, pool, k_base, v_base, k_cache.shape[1],
+                                 block_tables.to(torch.int32), context_lens.long() - 1, scale)
+
+
+def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           cu_seqlens_q: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, scale: float,
+                           max_seqlen_q: int | None = None) -> torch.Tensor:
+    """The backend contract's varlen (see :mod:`.reference`): each query token attends through
+    its request's block table up to its own position, the end of the context counted back."""
+    pool, k_base, v_base = _layer_pool(k_cache, v_cache)
+    cu = cu_seqlens_q.long()
+    rows = torch.arange(q.shape[0], device=q.device)
+    request = torch.searchsorted(cu[1:], rows, right=True)
+    positions = context_lens.long()[request] - (cu[request + 1] - rows)
+    return paged_token_attention(q, pool, k_base, v_base, k_cache.shape[1],
+                                 block_tables.to(torch.int32)[request], positions, scale)
