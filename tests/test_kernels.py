@@ -262,6 +262,12 @@ def test_the_cpu_kernel_is_a_backend_for_cpus_only():
     assert torch.equal(in_place, apart)
     assert_close(in_place, BACKENDS["torch"].decode(q, case.k_cache, case.v_cache, *args),
                  torch.float32)
+    # Planned once a step, run once a layer: the same result.
+    plan = BACKENDS["cpu"].plan_decode(case.block_tables, case.context_lens, 16)
+    assert torch.equal(plan(q, kv[0], kv[1], case.scale), in_place)
+    # Heads the kernel's vectors do not divide are refused by name, not deep in the op.
+    with pytest.raises(MiniInferError, match="head dim 20 is not a multiple"):
+        get_backend("cpu", "cpu", 16, head_dim=20)
 
 
 def test_triton_refuses_blocks_it_cannot_tile():

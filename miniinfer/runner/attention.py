@@ -156,7 +156,7 @@ class PagedAttention:
     def over(cls, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
              block_size: int, name: str | None = None) -> PagedAttention:
         """Backend ``name`` (None: the best available) over ``kv``."""
-        backend = get_backend(name, device, block_size)
+        backend = get_backend(name, device, block_size, head_dim=kv[0][0].shape[-1])
         prefill = backend if backend.varlen else next(
             BACKENDS[other] for other in available_backends(device, block_size)
             if BACKENDS[other].varlen)

@@ -71,8 +71,8 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..core.errors import InvalidRequestError, MiniInferError
-from ..core.models import LoadedModel, load_model
 from ..core.kv_cache import zeroed_pool
+from ..core.models import LoadedModel, load_model
 from .attention import PagedAttention
 from .direct import DirectForward
 from .model import Linear, Model, load, swap_linears, unsupported_reason

@@ -13,9 +13,10 @@ torch      the reference, :mod:`.reference`       anywhere
 ========== ====================================== ===================================
 
 Chapter 11 wrote :mod:`.cpu_decode` for the compiled forward's graphs (a token-by-token paged
-attention over the flat pool); as the ``cpu`` backend it serves the eager forwards too, by name
-(an engine's ``attention_backend="cpu"``). "auto" keeps the reference on a CPU: the eager chapters were
-recorded with it, and which is faster where has not been benchmarked in those engines.
+attention over the flat pool); as the ``cpu`` backend it serves the eager forwards too, by name (an engine's
+``attention_backend="cpu"``). "auto" keeps the reference on a CPU: the eager chapters were
+recorded with it, and in their engines, whose steps go to the matmuls and Python, the two
+were within noise of each other.
 
 Use::
 
@@ -80,7 +81,8 @@ BACKENDS: dict[str, AttentionBackend] = {
     "triton": AttentionBackend("triton", triton_attention.paged_decode_attention,
                                triton_attention.paged_varlen_attention),
     "cpu": AttentionBackend("cpu", cpu_decode.paged_decode_attention,
-                            cpu_decode.paged_varlen_attention),
+                            cpu_decode.paged_varlen_attention,
+                            plan_decode=cpu_decode.DecodePlan),
     "torch": AttentionBackend("torch", reference.paged_decode_attention,
                               reference.paged_varlen_attention,
                               plan_decode=reference.DecodePlan),
@@ -88,9 +90,9 @@ BACKENDS: dict[str, AttentionBackend] = {
 
 
 def unavailable_reason(name: str, device: torch.device | str,
-                       block_size: int | None = None) -> str | None:
+                       block_size: int | None = None, head_dim: int | None = None) -> str | None:
     """Why backend ``name`` cannot run on ``device`` with KV blocks of ``block_size`` tokens
-    (None: it can; an unknown block size is assumed to suit it)."""
+    and heads of ``head_dim`` (None: it can; an unknown size is assumed to suit it)."""
     device = torch.device(device)
     if name == "flash-attn":
         return flash.unavailable_reason(device, block_size)
@@ -102,7 +104,7 @@ def unavailable_reason(name: str, device: torch.device | str,
     if name == "cpu":
         if device.type != "cpu":
             return f"it is a kernel for CPUs, not {device.type}"
-        return cpu_decode.load()
+        return cpu_decode.load() if head_dim is None else cpu_decode.unavailable(head_dim)
     if name == "torch":
         return None
     raise UnknownNameError(f"unknown attention backend {name!r}; "
@@ -115,11 +117,12 @@ def available_backends(device: torch.device | str, block_size: int | None = None
 
 
 def get_backend(name: str | None = None, device: torch.device | str = "cpu",
-                block_size: int | None = None) -> AttentionBackend:
+                block_size: int | None = None, head_dim: int | None = None) -> AttentionBackend:
     """The backend called ``name``, or for None/"auto" the best one for ``device``: flash-attn,
     then Triton on CUDA; the torch reference elsewhere (on a CPU even when the Triton
     interpreter is on, since it is far slower). Pass the cache's ``block_size`` so that "auto"
-    skips flash-attn when the blocks are too small for it."""
+    skips flash-attn when the blocks are too small for it, and its ``head_dim`` so that a
+    named backend that cannot take the heads says so here."""
     device = torch.device(device)
     if name is None or name == "auto":
         if device.type != "cuda":
@@ -131,7 +134,7 @@ def get_backend(name: str | None = None, device: torch.device | str = "cpu",
                           f"({unavailable_reason('triton', device, block_size)}); "
                           f"falling back to the torch reference", RuntimeWarning, stacklevel=2)
         return BACKENDS[best]
-    if reason := unavailable_reason(name, device, block_size):
+    if reason := unavailable_reason(name, device, block_size, head_dim):
         raise MiniInferError(f"attention backend {name!r} is not available on {device}: {reason}; "
                              f"available: {', '.join(available_backends(device, block_size))}")
     return BACKENDS[name]

@@ -114,7 +114,8 @@ def _layer_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Ten
             and v_cache.data_ptr() == k_cache.data_ptr() + k_cache.nbytes):
         pool = k_cache.as_strided((2 * slots, kv_heads, dim), (kv_heads * dim, dim, 1))
     else:
-        pool = torch.cat([k_cache.reshape(slots, kv_heads, dim), v_cache.reshape(slots, kv_heads, dim)])
+        pool = torch.cat([k_cache.reshape(slots, kv_heads, dim),
+                          v_cache.reshape(slots, kv_heads, dim)])
     return pool, 0, slots
 
 
@@ -123,9 +124,24 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> torch.Tensor:
     """The backend contract's decode (see :mod:`.reference`): request ``i``'s one query sees
     its ``context_lens[i]`` tokens, the last of which it is."""
-    pool, k_base, v_base = _layer_pool(k_cache, v_cache)
-    return paged_token_attention(q, pool, k_base, v_base, k_cache.shape[1],
-                                 block_tables.to(torch.int32), context_lens.long() - 1, scale)
+    return DecodePlan(block_tables, context_lens, k_cache.shape[1])(q, k_cache, v_cache, scale)
+
+
+class DecodePlan:
+    """:func:`paged_decode_attention` with the op's tables and positions made once a step, not
+    once a layer (the contract's ``plan_decode``)."""
+
+    def __init__(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                 max_context_len: int | None = None) -> None:
+        self.tables = block_tables.to(torch.int32)
+        self.positions = context_lens.long() - 1
+        self.block_size = block_size
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        pool, k_base, v_base = _layer_pool(k_cache, v_cache)
+        return paged_token_attention(q, pool, k_base, v_base, self.block_size, self.tables,
+                                     self.positions, scale)
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
