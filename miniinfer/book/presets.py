@@ -37,6 +37,6 @@ def preset(engines: tuple[str, ...], chapter: str) -> Preset:
     # The sizes `make chapter-NN` records with (book.workloads), so a live run and the
     # recorded one compare like for like.
     device = resolve_device(os.environ.get("MINIINFER_DEVICE", "auto"))
-    model, config = default_workload(device)
+    model, config = default_workload(device, chapter)
     return Preset(name, device, os.environ.get("MINIINFER_MODEL") or model,
                   replace(config, engines=engines, chapter=chapter))

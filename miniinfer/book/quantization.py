@@ -21,7 +21,7 @@ from .workloads import default_workload
 
 def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataFrame:
     """llama.cpp's decode tok/s per format and batch size, with each format's floor."""
-    _, config = default_workload(device)
+    _, config = default_workload(device, "13")
     repeats = repeats or config.repeat
     speed = device_speed(device, store=True)
     threads = torch.get_num_threads()

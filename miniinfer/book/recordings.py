@@ -43,7 +43,7 @@ def run_chapter_bench(chapter: str, device: str | torch.device | None = "auto",
                       lm: LoadedModel | None = None) -> Path:
     """The chapter's offline benchmark (on ``lm``, or the device's default model)."""
     dev = resolve_device(device)
-    model, base = default_workload(dev)
+    model, base = default_workload(dev, chapter)
     config = replace(base, engines=CHAPTERS[chapter].engines_for(dev.type), chapter=chapter)
     lm = lm or load_model(model, device=dev)
     df = run_bench(lm, config, speed=device_speed(dev, store=True))

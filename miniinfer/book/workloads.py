@@ -12,10 +12,12 @@ import torch
 from ..bench.offline import BenchConfig
 from ..bench.serving import ServingBenchConfig, WorkloadConfig
 from ..core.models import default_model
+from .chapters import CHAPTERS
 
 
-def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
-    """Model and benchmark sizes for a chapter run on this device."""
+def default_workload(device: torch.device, chapter: str | None = None) -> tuple[str, BenchConfig]:
+    """Model and benchmark sizes for a chapter run on this device (``chapter``: its own decode
+    length where the registry gives one)."""
     if device.type == "cuda":
         # GPU timings are steady: 3 repeats do. 64 new tokens keep every chapter within one
         # device call (see COSTS and `repro all --dry-run`).
@@ -26,10 +28,11 @@ def default_workload(device: torch.device) -> tuple[str, BenchConfig]:
     # the middle point), 32 decode steps (enough for a median step) and 3 repeats (a median
     # ratio and a min-max spread). MINIINFER_QUICK=1 halves the decode length (a reader in a
     # hurry).
+    new_tokens = (chapter and CHAPTERS[chapter].new_tokens) or 32
     quick = os.environ.get("MINIINFER_QUICK") == "1"
     return default_model(device), BenchConfig(batch_sizes=(1, 8), prompt_len=64,
-                                              new_tokens=16 if quick else 32, warmup=1,
-                                              repeat=3)
+                                              new_tokens=new_tokens // 2 if quick else new_tokens,
+                                              warmup=1, repeat=3)
 
 
 @dataclass(frozen=True, slots=True)
