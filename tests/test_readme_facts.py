@@ -93,9 +93,11 @@ FACTS = [
      == (1.50, 1.17)),
     ("TP=3 on 2 cores is a cost",
      lambda: (bench("12", "cpu").query("engine == 'tensor-parallel'").pct_of_hf_max < 100).all()),
-    ("eager int4 145% of hf at batch 1",
-     lambda: round((r := pct_of_hf("13", "cpu", "quantized:int4-eager", 1)).pct_of_hf) == 145
-     and r.pct_of_hf_min > 100),
+    ("int4 2.1x and int8 1.7x compiled fp32's tok/s at batch 1",
+     lambda: (lambda fp32, int8, int4: (round(int4.pct_of_hf / fp32.pct_of_hf, 1),
+                                        round(int8.pct_of_hf / fp32.pct_of_hf, 1)) == (2.1, 1.7)
+              and min(int4.pct_of_hf_min, int8.pct_of_hf_min) > fp32.pct_of_hf_max)(
+         *(pct_of_hf("13", "cpu", e, 1) for e in ("compiled", "quantized:int8", "quantized:int4")))),
     ("drafts rarely accepted here (at most 29%), no speed-up",
      lambda: (lambda d: round(d.acceptance_rate.max(), 2) == 0.29 and d.same_tokens.dropna().all()
               and all((d.query("run == 'batch-1' and workload == @w and system == 'speculative'")

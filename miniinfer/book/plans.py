@@ -207,9 +207,9 @@ def chapter08_plan(device: torch.device) -> ChapterPlan:
 # each vLLM engine or server starts in 2-6 minutes.
 COMPILE_S = 660 + 240
 # A compiled stage's offline benchmark compiles only the buckets it meets (1 and 8 decodes, 64
-# and 512 prefill tokens): on the reference Xeon the two quantized variants took 538 s from a
-# cold inductor cache, their timed runs included.
-BENCH_COMPILE_S = 250
+# and 512 prefill tokens): 311-469 s a stage from a cold inductor cache on the reference Xeon
+# (chapter 13's recording), about 35 s from a warm one.
+BENCH_COMPILE_S = 390
 VLLM_START_S = 2 * 240
 
 

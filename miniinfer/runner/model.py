@@ -251,7 +251,7 @@ def from_state_dict(config, state: dict[str, torch.Tensor], inv_freq: torch.Tens
 
     def fused(names: list[str]) -> torch.Tensor:
         whole = torch.cat([state[name] for name in names])
-        ours.update(zip(names, whole.split([state[name].shape[0] for name in names])))
+        ours.update(zip(names, whole.split([state[name].shape[0] for name in names]), strict=True))
         return whole
 
     def projection(*names: str) -> Linear:
