@@ -301,7 +301,7 @@ def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics
 # -- the recording (make chapter-14), rehearsed on tiny sizes ---------------------------------
 
 
-def test_the_recording_writes_both_workloads_at_batch_1_and_served(tiny, tmp_path):
+def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_path):
     from miniinfer.book.results import read_results
     from miniinfer.book.speculation import SYSTEMS, SpeculationConfig, record_speculation
 
@@ -311,10 +311,10 @@ def test_the_recording_writes_both_workloads_at_batch_1_and_served(tiny, tmp_pat
     config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_copies=2)
     path = record_speculation("cpu", config, lm=tiny, out=tmp_path / "ch14.csv", text_path=text)
     df = read_results(path)
-    assert set(df.workload) == {"input-grounded", "open-ended"}
+    assert set(df.workload) == {"rewrite", "copy", "open-ended"}
     batch1 = df[df.run == "batch-1"]
-    assert sorted(batch1.system) == sorted(SYSTEMS * 2)
+    assert sorted(batch1.system) == sorted(SYSTEMS * 3)
     assert batch1.same_tokens.astype(str).str.lower().eq("true").all()  # HF's lookup included
     served = df[df.run == "served"]
-    assert len(served) == 6 and (served.num_prompts == 2).all() and (served.tok_s > 0).all()
+    assert len(served) == 9 and (served.num_prompts == 2).all() and (served.tok_s > 0).all()
     assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy"} <= set(df)

@@ -25,8 +25,8 @@ RECORDINGS = {
     "parallel": "gloo all-reduce times and a TP=1 vs TP=3 benchmark",
     "quantized": "offline benchmark and, where `make peers-llama` built it, llama.cpp on the same "
                  "GGUF (Q4_1, Q8_0, F32)",
-    "speculative": "input-grounded and open-ended chat prompts at batch 1 and served, beside "
-                   "transformers' prompt lookup",
+    "speculative": "input-grounded (rewrite, copy) and open-ended chat prompts at batch 1 and "
+                   "served, beside transformers' prompt lookup",
 }
 
 

@@ -284,13 +284,14 @@ def chapter14_plan(device: torch.device) -> ChapterPlan:
 
     config, costs = SpeculationConfig(), device_costs(device)
     prompt_len = 400  # the input-grounded prompts carry a paragraph or more of the text
-    alone = 2 * config.num_prompts * (config.repeat + 1) * len(config.systems) * costs.generate(
+    workloads = 3  # rewrite, copy (both from the text), open-ended
+    alone = workloads * config.num_prompts * (config.repeat + 1) * len(config.systems) * costs.generate(
         "continuous", 1, prompt_len, config.new_tokens)
     batch = config.num_prompts * config.served_copies
-    served = 2 * 3 * (batch * config.new_tokens / costs.serving_tok_s["continuous"]
+    served = workloads * 3 * (batch * config.new_tokens / costs.serving_tok_s["continuous"]
                       + batch * prompt_len * costs.prefill_token_s + costs.serving_run_s)
     return ChapterPlan("smollm2-135m", "float32", config.systems, (1, batch),
-                       f"2 workloads x {config.num_prompts} chat prompts, {config.new_tokens} new "
+                       f"{workloads} workloads x up to {config.num_prompts} chat prompts, {config.new_tokens} new "
                        f"tokens, k = {config.num_draft_tokens}", config.repeat,
                        costs.load_s + alone + served)
 

@@ -1,10 +1,13 @@
 """Chapter 14's recording: speculative decoding on input-grounded and open-ended work.
 
-Two workloads of chat prompts on SmolLM2-135M (real weights: acceptance depends on what the
-model writes, so no random-weight model stands in on a GPU either):
+Three workloads of chat prompts on SmolLM2-135M (real weights: acceptance depends on what the
+model writes, so no random-weight model stands in on a GPU either). Two are input-grounded, on a
+public-domain text shipped in ``data/texts/`` (the Declaration of Independence):
 
-- **input-grounded**: summarise, extract from, quote and edit a public-domain text shipped in
-  ``data/texts/`` (the Declaration of Independence): outputs copy their input, drafts land;
+- **rewrite**: summarise it, or restate it in modern English: the answer is about the text but
+  in other words;
+- **copy**: extract its "He has" sentences, quote its first sentence, proofread a misspelt
+  paragraph: the answer copies the text, and drafts land;
 - **open-ended**: stories, explanations, lists from a one-line request: nothing to copy.
 
 Per workload and system: decode tok/s at batch 1 (each prompt alone, greedy, a fixed number of
@@ -49,7 +52,7 @@ OPEN_ENDED = (
 class SpeculationConfig:
     # Sized so the chapter records in minutes on 2 cores: every prompt runs through every
     # system (repeat + 1) times at batch 1.
-    num_prompts: int = 2  # per workload
+    num_prompts: int = 3  # per workload, at most
     new_tokens: int = 48
     repeat: int = 2
     num_draft_tokens: int = 4  # ours and HF's prompt lookup alike
@@ -57,24 +60,42 @@ class SpeculationConfig:
     systems: tuple[str, ...] = SYSTEMS
 
 
-def input_grounded_tasks(text: str) -> list[str]:
-    """Requests that a good answer partly copies from ``text``."""
+def misspelt(text: str, every: int = 6) -> str:
+    """``text`` with every ``every``-th word of more than five letters misspelt (its
+    second-to-last letter dropped): a proofreading task whose answer is the text itself."""
+    words = text.split(" ")
+    for i in range(every - 1, len(words), every):
+        if sum(c.isalpha() for c in words[i]) > 5:
+            w = words[i].rstrip(".,;:")
+            words[i] = w[:-2] + w[-1] + words[i][len(w):]
+    return " ".join(words)
+
+
+def input_grounded_tasks(text: str) -> dict[str, list[str]]:
+    """Requests that answer from ``text``: those whose good answer restates it in other words
+    (``rewrite``), and those whose good answer copies it (``copy``: extract, quote, proofread)."""
     paragraphs = [p for p in text.split("\n\n") if len(p.split()) > 30]
     first, second = paragraphs[0], paragraphs[1]
-    return [
-        f"Summarise this text in three sentences.\n\n{second}",
-        f"Copy every sentence of this text that begins with \"He has\", word for word, one per "
-        f"line.\n\n{text[:3000]}",
-        f"Quote the first sentence of this text exactly, then explain it.\n\n{first}",
-        f"Rewrite this text in modern English, keeping its sentences in order.\n\n{second}",
-    ]
+    return {
+        "rewrite": [
+            f"Summarise this text in three sentences.\n\n{second}",
+            f"Rewrite this text in modern English, keeping its sentences in order.\n\n{second}",
+        ],
+        "copy": [
+            f"Copy every sentence of this text that begins with \"He has\", word for word, one "
+            f"per line.\n\n{text[:3000]}",
+            f"Quote the first sentence of this text exactly, then explain it.\n\n{first}",
+            f"Correct the spelling mistakes in this text and return the whole corrected "
+            f"text.\n\n{misspelt(second)}",
+        ],
+    }
 
 
 def workloads(lm: LoadedModel, config: SpeculationConfig,
               text_path: Path = TEXT) -> dict[str, list[list[int]]]:
     """Chat-formatted prompt ids per workload."""
     text = text_path.read_text()
-    tasks = {"input-grounded": input_grounded_tasks(text), "open-ended": list(OPEN_ENDED)}
+    tasks = {**input_grounded_tasks(text), "open-ended": list(OPEN_ENDED)}
     return {name: [lm.tokenizer.encode(chat_text(lm.tokenizer, [{"role": "user", "content": t}]),
                                        add_special_tokens=False)
                    for t in prompts[:config.num_prompts]]
