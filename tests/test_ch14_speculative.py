@@ -308,7 +308,8 @@ def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_pat
     words = " ".join(f"word{i}" for i in range(40))
     text = tmp_path / "text.txt"
     text.write_text(f"Title\n\n{words}.\n\n{words} again.\n\nShort.")
-    config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_copies=2)
+    config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_copies=2,
+                               served_repeat=2)
     path = record_speculation("cpu", config, lm=tiny, out=tmp_path / "ch14.csv", text_path=text)
     df = read_results(path)
     assert set(df.workload) == {"rewrite", "copy", "open-ended"}
@@ -317,4 +318,6 @@ def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_pat
     assert batch1.same_tokens.astype(str).str.lower().eq("true").all()  # HF's lookup included
     served = df[df.run == "served"]
     assert len(served) == 9 and (served.num_prompts == 2).all() and (served.tok_s > 0).all()
+    assert (served.repeats == 2).all() and (served.tok_s_min <= served.tok_s).all() \
+        and (served.tok_s <= served.tok_s_max).all()
     assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy"} <= set(df)

@@ -288,10 +288,12 @@ def chapter14_plan(device: torch.device) -> ChapterPlan:
     alone = workloads * config.num_prompts * (config.repeat + 1) * len(config.systems) * costs.generate(
         "continuous", 1, prompt_len, config.new_tokens)
     batch = config.num_prompts * config.served_copies
-    served = workloads * 3 * (batch * config.new_tokens / costs.serving_tok_s["continuous"]
-                      + batch * prompt_len * costs.prefill_token_s + costs.serving_run_s)
+    served = workloads * 3 * config.served_repeat * (
+        batch * config.new_tokens / costs.serving_tok_s["continuous"]
+        + batch * prompt_len * costs.prefill_token_s + costs.serving_run_s)
     return ChapterPlan("smollm2-135m", "float32", config.systems, (1, batch),
-                       f"{workloads} workloads x up to {config.num_prompts} chat prompts, {config.new_tokens} new "
+                       f"{workloads} workloads x up to {config.num_prompts} chat prompts, "
+                       f"{config.new_tokens} new "
                        f"tokens, k = {config.num_draft_tokens}", config.repeat,
                        costs.load_s + alone + served)
 

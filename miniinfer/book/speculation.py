@@ -12,8 +12,9 @@ public-domain text shipped in ``data/texts/`` (the Declaration of Independence):
 
 Per workload and system: decode tok/s at batch 1 (each prompt alone, greedy, a fixed number of
 new tokens; the tokens after the first step over the time after it, p50 over repeats, and the
-end-to-end rate with the prefill), acceptance rate and mean tokens per request-step (ours), and a
-served run (every prompt at once through the engine in-process): output tok/s, ITL and TPOT.
+end-to-end rate with the prefill), acceptance rate and mean tokens per request-step (ours), and
+served runs (every prompt several times at once through the engine in-process, the same rounds):
+output tok/s with its range, ITL and TPOT.
 Systems: ``prefix-cache`` (no speculation), ``speculative`` (adaptive draft lengths),
 ``speculative:fixed`` (always ``k`` where the lookup finds them), and transformers'
 ``generate`` with and without ``prompt_lookup_num_tokens=k`` as the peer (batch 1 only: HF's
@@ -57,6 +58,7 @@ class SpeculationConfig:
     repeat: int = 2
     num_draft_tokens: int = 4  # ours and HF's prompt lookup alike
     served_copies: int = 4  # the served run sends each prompt this many times at once
+    served_repeat: int = 3  # served rounds per engine (a round is seconds; its spread is wide)
     systems: tuple[str, ...] = SYSTEMS
 
 
@@ -191,7 +193,7 @@ def batch1_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationCo
         stats = getattr(engines.get(s), "stats", None)
         rows.append({
             "workload": workload, "run": "batch-1", "system": s,
-            "num_prompts": len(prompts), "new_tokens": config.new_tokens,
+            "num_prompts": len(prompts), "new_tokens": config.new_tokens, "repeats": config.repeat,
             "tok_s": statistics.median(rates[s]), "tok_s_min": min(rates[s]),
             "tok_s_max": max(rates[s]), "end_to_end_tok_s": statistics.median(end_to_end[s]),
             "acceptance_rate": stats.acceptance_rate if stats else float("nan"),
@@ -203,36 +205,45 @@ def batch1_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationCo
 
 def served_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationConfig,
                 workload: str) -> list[dict]:
-    """Every prompt ``served_copies`` times, all arriving at once, through each engine."""
+    """Every prompt ``served_copies`` times, all arriving at once, through each engine;
+    ``config.served_repeat`` rounds after a warm-up, the engines interleaved in each round. One
+    row per engine: output tok/s (median, slowest and fastest round), ITL and TPOT over every
+    round's tokens, acceptance over every round's drafts."""
     params = SamplingParams(max_new_tokens=config.new_tokens, ignore_eos=True)
     batch = [p for p in prompts for _ in range(config.served_copies)]
-    rows = []
-    for s in SERVED_SYSTEMS:
-        engine = _engine(lm, s, config)
+    engines = {s: _engine(lm, s, config) for s in SERVED_SYSTEMS}
+    for engine in engines.values():
         engine.generate(batch[:2], replace(params, max_new_tokens=4))  # warm-up
-        engine.reset_prefix_cache()
-        stats_before = getattr(engine, "stats", None)
-        stats_before = replace(stats_before) if stats_before else None
+    before = {s: replace(e.stats) for s, e in engines.items() if hasattr(e, "stats")}
+    rates: dict[str, list[float]] = {s: [] for s in engines}
+    timelines: dict[str, list] = {s: [] for s in engines}
+    rounds = [(r, s) for r in range(config.served_repeat) for s in engines]
+    for _, s in tqdm(rounds, desc=f"{workload}, served", leave=False):
+        engine = engines[s]
+        engine.reset_prefix_cache()  # each round computes its prompts again
         start = time.perf_counter()
         ids = [engine.add_request(p, params) for p in batch]
         finished = {}
         while engine.has_unfinished_requests():
             finished.update((r.request_id, r) for r in engine.step().outputs if r.finished)
-        seconds = time.perf_counter() - start
-        timelines = [finished[i].timeline for i in ids]
-        gaps = [b - a for t in timelines
+        rates[s].append(len(batch) * config.new_tokens / (time.perf_counter() - start))
+        timelines[s] += [finished[i].timeline for i in ids]
+    rows = []
+    for s, engine in engines.items():
+        gaps = [b - a for t in timelines[s]
                 for a, b in zip(t.token_times, t.token_times[1:], strict=False)]
         tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1)
-                for t in timelines]
-        stats = getattr(engine, "stats", None)
-        drafted = stats.drafted - stats_before.drafted if stats else 0
-        accepted = stats.accepted - stats_before.accepted if stats else 0
-        request_steps = stats.request_steps - stats_before.request_steps if stats else 0
-        produced = stats.tokens - stats_before.tokens if stats else 0
+                for t in timelines[s]]
+        stats, start_stats = getattr(engine, "stats", None), before.get(s)
+        drafted = stats.drafted - start_stats.drafted if stats else 0
+        accepted = stats.accepted - start_stats.accepted if stats else 0
+        request_steps = stats.request_steps - start_stats.request_steps if stats else 0
+        produced = stats.tokens - start_stats.tokens if stats else 0
         rows.append({
             "workload": workload, "run": "served", "system": s, "num_prompts": len(batch),
-            "new_tokens": config.new_tokens,
-            "tok_s": len(batch) * config.new_tokens / seconds,
+            "new_tokens": config.new_tokens, "repeats": config.served_repeat,
+            "tok_s": statistics.median(rates[s]), "tok_s_min": min(rates[s]),
+            "tok_s_max": max(rates[s]),
             "itl_p50_ms": statistics.median(gaps) * 1e3,
             "itl_p99_ms": sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3,
             "tpot_p50_ms": statistics.median(tpot) * 1e3,
