@@ -321,3 +321,8 @@ def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_pat
     assert (served.repeats == 2).all() and (served.tok_s_min <= served.tok_s).all() \
         and (served.tok_s <= served.tok_s_max).all()
     assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy"} <= set(df)
+    # Every engine on one attention, recorded: on a CPU chapter 11's kernels where they build.
+    from miniinfer.core.kernels import unavailable_reason
+    head_dim = tiny.config.hidden_size // tiny.config.num_attention_heads
+    assert set(df.attention_backend) == \
+        {"cpu" if unavailable_reason("cpu", "cpu", head_dim=head_dim) is None else "auto"}

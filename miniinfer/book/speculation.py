@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from ..bench.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
+from ..core.kernels import unavailable_reason
 from ..core.models import LoadedModel, chat_text, dtype_name, load_model, resolve_device
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
@@ -59,6 +60,7 @@ class SpeculationConfig:
     num_draft_tokens: int = 4  # ours and HF's prompt lookup alike
     served_copies: int = 4  # the served run sends each prompt this many times at once
     served_repeat: int = 3  # served rounds per engine (a round is seconds; its spread is wide)
+    attention_backend: str | None = None  # every engine's; None: attention_backend(lm)
     systems: tuple[str, ...] = SYSTEMS
 
 
@@ -157,7 +159,19 @@ def _engine_generate(engine, prompt: list[int], params: SamplingParams) -> _Run:
 def _engine(lm: LoadedModel, system: str, config: SpeculationConfig):
     options = {"num_draft_tokens": config.num_draft_tokens} if system.startswith("speculative") \
         else {}
-    return make_engine(system, lm, **options)
+    return make_engine(system, lm, attention_backend=config.attention_backend, **options)
+
+
+def attention_backend(lm: LoadedModel) -> str:
+    """The attention every engine of the recording runs on. On a CPU, chapter 11's C++ kernels
+    where they build: a verification step feeds a request ``k + 1`` tokens, which goes through
+    the varlen kernel, and the reference's varlen copies each request's whole context out of
+    the pool first (on the served `copy` prompts, 125-653 tokens, that copy cost the
+    speculative stage its gain). Elsewhere the engines' own choice."""
+    head_dim = lm.config.hidden_size // lm.config.num_attention_heads
+    if lm.device.type == "cpu" and unavailable_reason("cpu", lm.device, head_dim=head_dim) is None:
+        return "cpu"
+    return "auto"
 
 
 def batch1_rows(lm: LoadedModel, prompts: list[list[int]], config: SpeculationConfig,
@@ -264,13 +278,16 @@ def record_speculation(device: torch.device | str | None = "auto",
     dev = resolve_device(device)
     config = config or SpeculationConfig()
     lm = lm or load_model("smollm2-135m", device=dev)
+    if config.attention_backend is None:
+        config = replace(config, attention_backend=attention_backend(lm))
     rows = []
     with LoadGuard(torch.get_num_threads() if dev.type == "cpu" else 1) as guard:
         for name, prompts in workloads(lm, config, text_path).items():
             rows += batch1_rows(lm, prompts, config, name)
             rows += served_rows(lm, prompts, config, name)
     meta = {**run_metadata(dev), "model": lm.name, "dtype": dtype_name(lm.dtype),
-            "num_draft_tokens": config.num_draft_tokens, **guard.columns()}
+            "num_draft_tokens": config.num_draft_tokens,
+            "attention_backend": config.attention_backend, **guard.columns()}
     df = pd.DataFrame([{**meta, **row} for row in rows])
     out = out or results_path(dev)
     out.parent.mkdir(parents=True, exist_ok=True)
