@@ -568,7 +568,7 @@ def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
     monkeypatch.setattr(repro, "REPO_ROOT", tmp_path)
     monkeypatch.setattr("miniinfer.bench.devices.YOURS_DIR", tmp_path / "results")
     monkeypatch.delenv("MINIINFER_RECORD_FOR_BOOK", raising=False)
-    monkeypatch.setattr(repro, "default_workload", lambda device: (
+    monkeypatch.setattr(repro, "default_workload", lambda device, chapter=None: (
         "tiny", BenchConfig(batch_sizes=(1,), prompt_len=8, new_tokens=3, warmup=0, repeat=1)))
     bench, timeline = repro.run_chapter07("cpu")
     assert loads == ["tiny"]

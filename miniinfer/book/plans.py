@@ -332,16 +332,17 @@ QUALITY_TEXT_TOKENS = 2022
 
 
 def chapter13_plan(device: torch.device) -> ChapterPlan:
-    """The offline benchmark, then (on a CPU, where built) llama.cpp: three formats, each a
+    """The offline benchmark (on a CPU with each compiled stage's cold compile: the GPU's is not
+    measured), then (on a CPU, where built) llama.cpp: three formats, each a
     process per repeat running every batch size (its F32 run about as long as an fp32 stage's,
     the others shorter: counted as three fp32 runs, an upper bound); then (on a CPU) the quality
     table."""
     plan = bench_chapter_plan("13", device)
+    if device.type != "cpu":
+        return plan
     # Each compiled stage compiles its benchmark's buckets in its warm-up run.
     compiled = sum(e == "compiled" or e.startswith("quantized:") for e in plan.engines)
     plan = replace(plan, estimate_s=plan.estimate_s + compiled * BENCH_COMPILE_S)
-    if device.type != "cpu":
-        return plan
     _, config = default_workload(device, "13")
     costs = device_costs(device)
     peer = 3 * config.repeat * sum(costs.generate("hf", b, config.prompt_len, config.new_tokens)
