@@ -222,8 +222,8 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any],
 
 def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
     """``--tensor-parallel N`` as an engine option, for the engines built on the model runner
-    (chapter 08 on); checked before any model loads."""
-    from .engines import ENGINES, resolve_engine
+    (chapter 08 on); checked with the engine's other settings before any model loads."""
+    from .engines import ENGINES, engine_config, resolve_engine
     from .engines.continuous import ContinuousEngine
 
     n = getattr(args, "tensor_parallel", None)
@@ -236,6 +236,7 @@ def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
     if not issubclass(resolve_engine(engine)[0], ContinuousEngine):
         raise InvalidRequestError(f"--tensor-parallel {n}: engine {engine!r} does not run on the "
                                   f"model runner; use continuous, prefix-cache or tensor-parallel")
+    engine_config(engine, tensor_parallel=n)  # compiled or quantized with it: refused, named
     return {"tensor_parallel": n}
 
 
@@ -243,11 +244,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from .core.models import chat_text, load_model
     from .core.sampling import SamplingParams
     from .engines import make_engine, resolve_engine
+    from .engines.continuous import ContinuousEngine
 
     # Cheap checks first: a typo should not cost a model load.
     cls, _ = resolve_engine(args.engine)
     options = _runner_options(args, args.engine)
-    if getattr(cls, "compiles_ahead", False):
+    if issubclass(cls, ContinuousEngine):
         # One run of a few prompts: compile the buckets its steps meet, when they meet them,
         # not every bucket a server would (minutes on a CPU before the first token).
         options["warm_up"] = False

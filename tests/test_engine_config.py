@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from miniinfer import InvalidRequestError, make_engine
-from miniinfer.engines import EngineConfig
+from miniinfer.core.config import EngineConfig
 
 
 def test_options_become_the_engines_config_and_reach_its_parts(tiny):
     engine = make_engine("prefix-cache", tiny, max_num_batched_tokens=24, max_num_seqs=3,
                          block_size=8, num_blocks=40, forward="registry")
     assert engine.config == EngineConfig(max_num_batched_tokens=24, max_num_seqs=3,
-                                         block_size=8, num_blocks=40, forward="registry")
+                                         block_size=8, num_blocks=40, forward="registry",
+                                         prefix_caching=True)
     assert engine.scheduler.config.max_num_batched_tokens == 24
     assert engine.scheduler.config.max_num_seqs == 3
     assert engine.kv_cache.block_size == 8 and engine.kv_cache.num_blocks == 40

@@ -203,8 +203,7 @@ def test_the_serving_engines_decode_buckets_read_nothing_from_the_device(tiny, b
     # bucket's static step run as its capture runs it, and a real step replayed into it.
     engine = make_engine("continuous", tiny, forward="direct", attention_backend=backend)
     runner = engine.runner
-    graphs = DecodeGraphs(runner.kv_cache, tiny.max_context, emulate=True)
-    graphs.forward = runner.forward
+    graphs = DecodeGraphs(runner.forward, runner.kv_cache, tiny.max_context, emulate=True)
     for prompt in ([5, 6, 7], list(range(20, 53)), [9] * 16):
         engine.add_request(prompt, GREEDY)
     engine.step()  # the prompts

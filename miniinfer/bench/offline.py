@@ -88,8 +88,9 @@ def make_bench_engine(name: str, lm: LoadedModel, **options) -> Engine:
 
         return VLLMEngine(lm)
     from ..engines import resolve_engine
+    from ..engines.continuous import ContinuousEngine
 
-    if getattr(resolve_engine(name)[0], "compiles_ahead", False):
+    if issubclass(resolve_engine(name)[0], ContinuousEngine):
         # A benchmark warms every engine up at every batch size before timing it: that run
         # compiles the buckets the timed runs meet, and only those (not every bucket a server
         # would meet: minutes on a CPU).

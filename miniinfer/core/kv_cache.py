@@ -202,10 +202,12 @@ class PagedKVCache:
 
     ``kv_heads``: how many KV heads the pool holds (None: the model's). A tensor-parallel rank
     holds only its own (chapter 12); the number of blocks is the engine's either way.
+    ``block_manager``: the class that keeps the blocks (chapter 09's remembers prefixes).
     """
 
     def __init__(self, lm: LoadedModel, config: KVCacheConfig | None = None,
-                 kv_heads: int | None = None) -> None:
+                 kv_heads: int | None = None,
+                 block_manager: type[BlockManager] | None = None) -> None:
         self.config = config or KVCacheConfig()
         model_config = lm.config
         self.num_layers = model_config.num_hidden_layers
@@ -215,7 +217,7 @@ class PagedKVCache:
         block_size = self.config.block_size
         bytes_per_block = kv_bytes_per_block(model_config, lm.dtype, block_size)
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, lm.max_context)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = (block_manager or BlockManager)(num_blocks, block_size)
         self.kv = zeroed_pool(
             (self.num_layers, 2, num_blocks, block_size, self.kv_heads, self.head_dim),
             lm.dtype, lm.device)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from ..core.config import EngineConfig
 from ..core.errors import UnknownNameError
 from ..core.models import LoadedModel
 from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
 from .compiled import CompiledEngine
-from .config import EngineConfig
 from .continuous import ContinuousEngine
 from .hf import HFEngine
 from .naive import NaiveEngine
@@ -28,7 +28,7 @@ ENGINES: dict[str, type[Engine]] = {
 }
 
 
-def resolve_engine(name: str) -> tuple[type[Engine], dict[str, str]]:
+def resolve_engine(name: str) -> tuple[type[Engine], dict[str, object]]:
     """The class and options ``name`` stands for, checked without building anything (so a
     typo fails before a model load). ``"stage:variant"`` picks a variant of a stage that has
     one: ``"async:overlap"`` is ``async`` with ``loop="overlap"``."""
@@ -43,13 +43,37 @@ def resolve_engine(name: str) -> tuple[type[Engine], dict[str, str]]:
         known = f"its variants: {', '.join(f'{stage}:{v}' for v in variants)}" if variants \
             else "it has no variants"
         raise UnknownNameError(f"unknown engine {name!r}; {known}")
-    return cls, {cls.variant_option: variant}
+    return cls, cls.variant_options(variant)
+
+
+def engine_config(name: str, **options) -> EngineConfig | None:
+    """The config the engine ``name`` would run with these options, checked (a combination
+    that cannot run is refused here, naming both settings), without loading a model; None for
+    the static-batch stages, which have no config."""
+    cls, variant_options = resolve_engine(name)
+    if not issubclass(cls, ContinuousEngine):
+        return None
+    settings = {k: v for k, v in {**variant_options, **options}.items()
+                if k not in ("config", "runner")}
+    return EngineConfig.of(options.get("config"), **{**cls.preset, **settings})
 
 
 def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
+    """The engine ``name`` (a stage, or a stage's variant) with ``options`` set on top of its
+    preset: any setting composes with any stage built on chapter 08's engine. Drafts are the
+    one setting that needs its stage's methods, so a config that drafts runs on the speculative
+    stage whatever preset it came from."""
     cls, variant_options = resolve_engine(name)
-    return cls(lm, **variant_options, **options)
+    options = {**variant_options, **options}
+    if issubclass(cls, ContinuousEngine):
+        config = engine_config(name, **options)
+        drafting = SpeculativeEngine if config.speculative is not None else ContinuousEngine
+        if issubclass(cls, SpeculativeEngine) != issubclass(drafting, SpeculativeEngine):
+            # The config as it is: the other stage's preset is not applied over it.
+            return drafting(lm, config, **{k: getattr(config, k) for k in drafting.preset},
+                            **{k: v for k, v in options.items() if k == "runner"})
+    return cls(lm, **options)
 
 
-__all__ = ["ENGINES", "Engine", "EngineConfig", "GenerationResult", "make_engine",
-           "resolve_engine"]
+__all__ = ["ENGINES", "Engine", "EngineConfig", "GenerationResult", "engine_config",
+           "make_engine", "resolve_engine"]

@@ -63,6 +63,14 @@ class Engine:
     summary: ClassVar[str]
     # Whether the stage samples with sampling.sample_batch, which applies SamplingParams.extras.
     sampling_extras: ClassVar[bool] = False
+    # Named variants ("stage:variant"), each one value of this option.
+    variants: ClassVar[tuple[str, ...]] = ()
+    variant_option: ClassVar[str] = ""
+
+    @classmethod
+    def variant_options(cls, variant: str) -> dict[str, object]:
+        """The options the variant ``variant`` stands for."""
+        return {cls.variant_option: variant}
 
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm

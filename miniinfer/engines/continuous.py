@@ -31,14 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.config import EngineConfig
 from ..core.errors import InvalidRequestError, MiniInferError
 from ..core.hardware import sync
 from ..core.kv_cache import (
+    BlockManager,
     PagedKVCache,
     RequestId,
     blocks_for,
 )
 from ..core.models import LoadedModel
+from ..core.prefix_cache import PrefixCacheBlockManager, PrefixCacheScheduler
 from ..core.ranges import phase
 from ..core.sampling import SamplingParams, make_generator, sample_batch
 from ..core.scheduler import (
@@ -50,7 +53,6 @@ from ..core.scheduler import (
 )
 from ..runner import ModelRunner
 from .base import Engine, GenerationResult, batch_token_times
-from .config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -91,28 +93,38 @@ def _token_id(value: object) -> int:
 
 class ContinuousEngine(Engine):
     """The scheduler decides, the runner runs (:class:`~miniinfer.runner.ModelRunner`: the
-    weights, the KV pool and the forward), this engine loops. ``forward`` picks the runner's
-    forward (``"auto"``, ``"direct"``, ``"registry"``), ``tensor_parallel`` how many processes
-    share it (chapter 12); ``runner`` passes one built elsewhere (anything with ``kv_cache``,
-    ``execute``, ``paged_attention`` and ``close``)."""
+    weights, the KV pool and the forward), this engine loops. Everything else is a setting of
+    its :class:`~miniinfer.core.config.EngineConfig`: a later stage of the book is this class
+    with a ``preset`` of settings (``compiled`` is ``forward="compiled"``), and any setting
+    composes with any preset (``make_engine("compiled", lm, prefix_caching=True)``), or is
+    refused when the config is made. ``runner`` passes one built elsewhere (anything with
+    ``kv_cache``, ``execute``, ``paged_attention`` and ``close``)."""
 
     name = "continuous"
     summary = "continuous batching: token-budget scheduler, chunked prefill, preemption"
+    preset: dict[str, object] = {}  # the settings this stage stands for
     variants = ()  # forward= is the runner's choice; no named variants
     sampling_extras = True
 
     def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, *,
                  runner: ModelRunner | None = None, **options) -> None:
-        """``config`` and ``options`` (any :class:`EngineConfig` field) say how it runs."""
+        """``config`` and ``options`` (any :class:`EngineConfig` field) say how it runs; the
+        stage's ``preset`` applies first, ``options`` last."""
         super().__init__(lm)
-        self.config = config = EngineConfig.of(config, **options)
+        self.config = config = EngineConfig.of(config, **{**self.preset, **options})
+        # Chapter 09: a block manager that remembers prefixes, a scheduler that admits past them.
+        manager, scheduler = ((PrefixCacheBlockManager, PrefixCacheScheduler)
+                              if config.prefix_caching else (BlockManager, Scheduler))
         # A runner passed in is used as it is (its pool, its forward); else one is built here.
-        self.runner = runner or ModelRunner(
-            lm, config.kv_cache, forward=config.forward,
-            attention_backend=config.attention_backend, tensor_parallel=config.tensor_parallel)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache.block_manager)
+        self.runner = runner or ModelRunner.of(lm, config, manager)
+        self.scheduler = scheduler(config.scheduler, self.kv_cache.block_manager)
         self.requests: dict[RequestId, Request] = {}  # unfinished ones
         self._next_id = 0
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """What a decode step reads of quantized weights (None: the model's own)."""
+        return self.runner.weight_bytes
 
     @property
     def kv_cache(self) -> PagedKVCache:
@@ -192,6 +204,12 @@ class ContinuousEngine(Engine):
             return False
         self.scheduler.finish(request, FinishReason.ABORT, time.perf_counter())
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks no request holds (blocks in use keep their hashes); with
+        prefix caching off there is nothing to forget."""
+        if self.config.prefix_caching:
+            self.kv_cache.block_manager.evict_all()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

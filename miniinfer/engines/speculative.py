@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.config import EngineConfig
 from ..core.errors import InvalidRequestError
 from ..core.models import LoadedModel
 from ..core.sampling import sample_batch, sampling_probs
@@ -77,25 +78,23 @@ class _Drafter:
 class SpeculativeEngine(PrefixCacheEngine):
     name = "speculative"
     summary = "n-gram (prompt lookup) drafts, k + 1 positions verified in one step, lossless"
+    preset = {**PrefixCacheEngine.preset, "speculative": "ngram"}
     variants = ("adaptive", "fixed")
     variant_option = "draft_policy"
 
-    def __init__(self, lm: LoadedModel, num_draft_tokens: int = 4, draft_policy: str = "adaptive",
-                 knee_tokens: float | None = None, token_cost: float | None = None,
-                 **options) -> None:
-        if draft_policy not in self.variants:
-            raise InvalidRequestError(f"draft_policy must be one of {self.variants}, got "
-                                      f"{draft_policy!r}")
-        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) \
-                or num_draft_tokens < 0:
-            raise InvalidRequestError(f"num_draft_tokens must be an integer >= 0, got "
-                                      f"{num_draft_tokens!r}")
-        super().__init__(lm, **options)
-        self.draft_policy = draft_policy
+    def __init__(self, lm: LoadedModel, config: EngineConfig | None = None, **options) -> None:
+        """The draft settings (``num_draft_tokens``, ``draft_policy``, ``knee_tokens``,
+        ``token_cost``) are the config's, like every other setting."""
+        super().__init__(lm, config, **options)
+        config = self.config
+        if config.speculative is None:
+            raise InvalidRequestError("the speculative stage needs speculative='ngram'; "
+                                      "without drafts, use its base engine")
+        self.draft_policy = config.draft_policy
         knee, cost = DRAFT_COSTS.get(self.device.type, DRAFT_COSTS["cuda"])
-        self.draft_budget = DraftBudget(num_draft_tokens,
-                                        knee if knee_tokens is None else knee_tokens,
-                                        cost if token_cost is None else token_cost)
+        self.draft_budget = DraftBudget(config.num_draft_tokens,
+                                        knee if config.knee_tokens is None else config.knee_tokens,
+                                        cost if config.token_cost is None else config.token_cost)
         self.stats = SpeculationStats()
         self._drafters: dict[Request, _Drafter] = {}  # by the request itself: ids are reused
 

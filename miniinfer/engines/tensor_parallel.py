@@ -2,23 +2,21 @@
 
 Nothing the engine does changes: the scheduler, the sampling, the stop rules and the serving API
 are chapter 08's, and they stay in this process (rank 0), with the tokenizer. What changes is
-the runner's forward (:mod:`miniinfer.runner.tensor_parallel`): every layer's projections are
-split Megatron-style over ``tensor_parallel`` ranks of ``torch.distributed`` (gloo on a CPU,
-NCCL on GPUs), each rank holding whole attention heads, its share of the MLP and a KV pool of
-its own heads only; two all-reduces per layer make the hidden state whole again. Each step,
-rank 0 broadcasts the step's inputs (token ids, positions, block tables, slot mapping) and
-samples from logits that never leave it. ``serve --engine tensor-parallel`` serves over HTTP.
+one setting of the engine's config, ``tensor_parallel`` (2 here): the runner's forward
+(:mod:`miniinfer.runner.tensor_parallel`) splits every layer's projections Megatron-style over
+that many ranks of ``torch.distributed`` (gloo on a CPU, NCCL on GPUs), each rank holding whole
+attention heads, its share of the MLP and a KV pool of its own heads only; two all-reduces per
+layer make the hidden state whole again. Each step, rank 0 broadcasts the step's inputs (token
+ids, positions, block tables, slot mapping) and samples from logits that never leave it.
+``serve --engine tensor-parallel`` serves over HTTP.
 """
 
 from __future__ import annotations
 
-from ..core.models import LoadedModel
 from .continuous import ContinuousEngine
 
 
 class TensorParallelEngine(ContinuousEngine):
     name = "tensor-parallel"
     summary = "continuous batching on a model split Megatron-style over N processes"
-
-    def __init__(self, lm: LoadedModel, tensor_parallel: int = 2, **options) -> None:
-        super().__init__(lm, tensor_parallel=tensor_parallel, **options)
+    preset = {"tensor_parallel": 2}

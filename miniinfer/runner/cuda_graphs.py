@@ -106,10 +106,11 @@ class DecodeGraphs:
     """The runner's decode steps under CUDA graphs, one per batch-size bucket (see the module
     docstring); ``fits`` says whether a step can replay one, ``replay`` runs it."""
 
-    def __init__(self, kv_cache: PagedKVCache, max_context: int, emulate: bool = False,
+    def __init__(self, forward: Callable[[StepBatch], torch.Tensor], kv_cache: PagedKVCache,
+                 max_context: int, emulate: bool = False,
                  buckets: tuple[int, ...] = GRAPH_BUCKETS) -> None:
         self.kv_cache, self.emulate = kv_cache, emulate
-        self.forward: Callable[[StepBatch], torch.Tensor] | None = None  # what is captured
+        self.forward = forward  # what is captured
         self.buckets = buckets
         self.width = blocks_for(max_context, kv_cache.block_size)
         self.graphs: dict[int, StaticDecode] = {}
@@ -122,14 +123,8 @@ class DecodeGraphs:
                 and (step.logits_rows is None or step.logits_rows.shape[0] == n)
                 and step.block_tables.shape[1] <= self.width)
 
-    def replay(self, forward: Callable[[StepBatch], torch.Tensor],
-               step: StepBatch) -> torch.Tensor:
-        """Logits ``[B, V]`` of a step that :meth:`fits`, from its bucket's graph of
-        ``forward`` (captured again for a forward other than the last one's: an engine that
-        swaps its forward, as the quantized stage does at start)."""
-        if forward is not self.forward:
-            self.forward = forward
-            self.graphs.clear()
+    def replay(self, step: StepBatch) -> torch.Tensor:
+        """Logits ``[B, V]`` of a step that :meth:`fits`, from its bucket's graph."""
         size = next(b for b in self.buckets if b >= step.num_tokens)
         if size not in self.graphs:
             self.graphs[size] = self.static(size)

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.errors import MiniInferError, UnknownNameError
+from ..core.config import EngineConfig
+from ..core.errors import MiniInferError
 from ..core.kernels import AttentionBackend, triton_attention
-from ..core.kv_cache import KVCacheConfig, PagedKVCache
+from ..core.kv_cache import BlockManager, KVCacheConfig, PagedKVCache
 from ..core.models import LoadedModel
 from ..core.ranges import phase
 from ..core.scheduler import Request, ScheduledBatch
@@ -67,7 +68,7 @@ def registry_forward(runner: ModelRunner) -> ForwardFn:
 
 
 def direct_forward(runner: ModelRunner) -> ForwardFn:
-    reason = unsupported_reason(runner.model)
+    reason = unsupported_reason(runner.lm.model)
     if reason:
         raise MiniInferError(f"forward 'direct' cannot run {runner.lm.name!r}: {reason}; "
                              f"use forward='registry'")
@@ -79,7 +80,7 @@ def compiled_forward(runner: ModelRunner) -> ForwardFn:
     loading inductor costs seconds)."""
     from .compiled import CompiledForward
 
-    reason = unsupported_reason(runner.model)
+    reason = unsupported_reason(runner.lm.model)
     if reason:
         raise MiniInferError(f"forward 'compiled' cannot run {runner.lm.name!r}: {reason}; "
                              f"use forward='registry'")
@@ -102,33 +103,47 @@ class ModelRunner:
 
     def __init__(self, lm: LoadedModel, kv_config: KVCacheConfig | None = None, *,
                  forward: str = "auto", attention_backend: str | None = None,
-                 tensor_parallel: int = 1, compile_options: CompileOptions | None = None) -> None:
+                 tensor_parallel: int = 1, compile_options: CompileOptions | None = None,
+                 weights: str = "dense", cuda_graphs: bool = True,
+                 block_manager: type[BlockManager] = BlockManager) -> None:
         if has_sliding_window(lm.config):
             # Our kernels attend to the whole context; a windowed layer would silently read
             # tokens it must not see once a sequence outgrows the window.
             raise MiniInferError(f"{lm.name!r} has sliding-window attention layers, which the "
                                  f"paged attention kernels do not implement")
+        # The same checks a config makes, for a runner built without one.
+        EngineConfig(forward=forward, tensor_parallel=tensor_parallel, weights=weights)
         if forward == "auto":
             forward = "registry" if unsupported_reason(lm.model) else "direct"
-        if forward not in FORWARDS:
-            raise UnknownNameError(f"unknown forward {forward!r}; forwards: "
-                                   f"{', '.join(FORWARDS)} (or auto)")
         self.lm = lm
-        self.model = lm.model
         self.device = lm.device
+        self.weights = weights
+        # 1. The model: HF's weights, or ours with every linear swapped for a quantized one
+        # (chapter 13); every forward below runs whichever it is given.
+        self.model = lm.model
+        # What a decode step reads of a quantized model (codes and scales): its bandwidth
+        # floor, not the dense one (None: the model's own weights).
+        self.weight_bytes: int | None = None
+        if weights != "dense":
+            from .quantized import quantized, quantized_compile_options, weight_bytes
+
+            try:
+                self.model = quantized(lm, weights)
+            except ValueError as error:
+                raise MiniInferError(str(error)) from None
+            compile_options = quantized_compile_options(compile_options)
+            self.weight_bytes = weight_bytes(self.model)
         layout = None
         if tensor_parallel > 1:
             # Chapter 12: the layers split over N processes (this one is rank 0), each rank's
             # pool holding its own KV heads: this runner's pool is rank 0's.
             from .tensor_parallel import shard_layout
 
-            if forward != "direct":
-                raise MiniInferError(f"tensor_parallel={tensor_parallel} shards the direct "
-                                     f"forward; forward {forward!r} cannot be sharded")
             layout = shard_layout(lm.config, tensor_parallel, repr(lm.name))
         # Allocated once, like a serving engine's KV pool: requests only borrow blocks from it.
         self.kv_cache = PagedKVCache(lm, kv_config,
-                                     None if layout is None else layout.kv_heads_per_rank)
+                                     None if layout is None else layout.kv_heads_per_rank,
+                                     block_manager)
         # Each layer's K and V views of the pool, made once rather than in every forward.
         self.layer_kv = [(k_cache, v_cache) for k_cache, v_cache in self.kv_cache.kv]
         block_size = self.kv_cache.block_size
@@ -137,6 +152,7 @@ class ModelRunner:
         self.forward_name = forward
         self.tensor_parallel = tensor_parallel
         self.compile_options = compile_options  # the compiled forward's (None: its defaults)
+        # 2. The forward over that model, on this rank or on every rank.
         if layout is not None:
             from .tensor_parallel import TensorParallelForward
 
@@ -147,15 +163,35 @@ class ModelRunner:
         else:
             self.forward: ForwardFn = FORWARDS[forward](self)
         self.staging = torch.empty(0, dtype=torch.int32)  # grown by stage()
-        # Chapter 07's CUDA graphs for decode-only steps, where the forward is eager and ours
+        # 3. Chapter 07's CUDA graphs for decode-only steps, where the forward is eager and ours
         # (the compiled forward has inductor's own; a sharded step's collectives stay eager).
         self.decode_graphs: DecodeGraphs | None = None
-        if capture_unworthy_reason(self.device, self.backend) is None:
-            self.decode_graphs = DecodeGraphs(self.kv_cache, lm.max_context)
+        if cuda_graphs and isinstance(self.forward, DirectForward) and \
+                capture_unworthy_reason(self.device, self.backend) is None:
+            self.decode_graphs = DecodeGraphs(self.forward, self.kv_cache, lm.max_context)
         if "triton" in (self.backend.name, self.prefill_backend.name) and \
                 self.device.type == "cuda":
             # Every tile size compiled now: a JIT compile (1-3 s) must not land in a timed run.
             triton_attention.warm_up(*self.layer_kv[0], lm.config.num_attention_heads, lm.dtype)
+
+    @classmethod
+    def of(cls, lm: LoadedModel, config: EngineConfig,
+           block_manager: type[BlockManager] = BlockManager) -> ModelRunner:
+        """The runner ``config`` describes, its pool's blocks kept by ``block_manager`` (chapter
+        09's remembers prefixes); a compiled forward warmed up if the config says so."""
+        runner = cls(lm, config.kv_cache, forward=config.forward,
+                     attention_backend=config.attention_backend,
+                     tensor_parallel=config.tensor_parallel,
+                     compile_options=config.compile_options, weights=config.weights,
+                     cuda_graphs=config.cuda_graphs, block_manager=block_manager)
+        if config.warm_up:
+            runner.warm_up()
+        return runner
+
+    def warm_up(self) -> None:
+        """Compile what the forward compiles (every bucket), so no step waits on it."""
+        if self.forward_name == "compiled":
+            self.forward.warm_up()
 
     @property
     def backend(self) -> AttentionBackend:
@@ -172,6 +208,11 @@ class ModelRunner:
         close = getattr(self.forward, "close", None)
         if close is not None:
             close()
+
+    def check_alive(self) -> None:
+        """Raise if the forward has lost a process it needs (a tensor-parallel rank)."""
+        if self.tensor_parallel > 1:
+            self.forward.check_alive()
 
     def paged_attention(self) -> AbstractContextManager[None]:
         """While active, HF's modules find our paged attention by name (the ``registry``
@@ -201,9 +242,8 @@ class ModelRunner:
             step, sampled = self.prepare_step(batch)
         with phase("model_forward"):
             graphs = self.decode_graphs
-            if graphs is not None and isinstance(self.forward, DirectForward) and \
-                    graphs.fits(step):
-                return graphs.replay(self.forward, step), sampled
+            if graphs is not None and graphs.fits(step):
+                return graphs.replay(step), sampled
             return self.forward(step), sampled
 
     def prepare_step(self, batch: ScheduledBatch) -> tuple[StepBatch, list[Request]]:

@@ -32,10 +32,12 @@ blocks by Q4_1's own rule (:func:`q4_1_quantize`, gguf's ``quantize_blocks``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -43,6 +45,9 @@ from torch import nn
 
 from ..core.models import LoadedModel
 from .model import Linear, Model, load, swap_linears
+
+if TYPE_CHECKING:  # imported when a forward is built: loading inductor costs seconds
+    from .compiled import CompileOptions
 
 GROUP = 32  # weights per Q4_1 block, and the int4 op's group size
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 4-bit codes
@@ -261,3 +266,15 @@ def weight_bytes(model: Model) -> int:
                [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
                if name not in ("embed", "inv_freq")}
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def quantized_compile_options(options: CompileOptions | None = None) -> CompileOptions:
+    """Chapter 11's options for a quantized model: no oneDNN prepacking (it packs dense fp32
+    weights; these have none), and ATen's weight-only kernels beside inductor's own C++
+    templates for the autotuner to choose from (a template that cannot take a shape leaves
+    ATen's op, not no choice at all)."""
+    from .compiled import CompileOptions
+
+    return dataclasses.replace(options or CompileOptions(), onednn_min_tokens=None,
+                               onednn_min_tokens_bf16=None, onednn_min_tokens_avx2=None,
+                               gemm_backends="CPP,ATEN")

@@ -45,7 +45,7 @@ from ..core.models import (
     resolve_device,
     resolve_dtype,
 )
-from ..engines import make_engine, resolve_engine
+from ..engines import engine_config, make_engine, resolve_engine
 from ..engines.continuous import ContinuousEngine
 from .engine_loop import EngineLoop, RequestHandle, Update, dead_engine_error
 from .generation import (
@@ -79,8 +79,6 @@ DEFAULT_MAX_REQUEST_BYTES = 2 << 20  # 2 MiB: far more than any prompt the conte
 EXIT_ENGINE_DEAD = 3
 
 
-# ``serve --speculative METHOD``: the engine stage each drafting method runs on.
-SPECULATIVE_METHODS = {"ngram": "speculative"}
 
 
 @dataclass(slots=True)
@@ -104,7 +102,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get a 413
     tensor_parallel: int | None = None  # the engine's runner over N processes (chapter 12)
     # "ngram": the engine drafts by prompt lookup and verifies k + 1 positions a step
-    # (chapter 14's speculative stage, on chapter 09's prefix-cache engine).
+    # (chapter 14), on whichever engine it serves.
     speculative: str | None = None
     num_speculative_tokens: int = 4  # the most draft tokens a request gets in one step
     # Once the engine can no longer serve, /health answers 503 for this long (a load balancer
@@ -124,24 +122,31 @@ class ServerConfig:
                                       f"{self.arrival_window_ms}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0-65535, got {self.port}")
-        if self.speculative is not None:
-            if self.speculative not in SPECULATIVE_METHODS:
-                raise InvalidRequestError(f"speculative must be one of "
-                                          f"{', '.join(SPECULATIVE_METHODS)}, got "
-                                          f"{self.speculative!r}")
-            if self.engine not in ("continuous", "prefix-cache", "speculative"):
-                raise InvalidRequestError(f"speculative decoding runs on the prefix-cache "
-                                          f"engine; engine {self.engine!r} has none")
-            if not 0 <= self.num_speculative_tokens <= 32:
-                raise InvalidRequestError(f"num_speculative_tokens must be in 0-32, got "
-                                          f"{self.num_speculative_tokens}")
-            self.engine = SPECULATIVE_METHODS[self.speculative]
+        if self.speculative is not None and not 0 <= self.num_speculative_tokens <= 32:
+            raise InvalidRequestError(f"num_speculative_tokens must be in 0-32, got "
+                                      f"{self.num_speculative_tokens}")
         cls, _ = resolve_engine(self.engine)
         # The server adds requests one by one and steps: the interface chapter 08 built.
         if not issubclass(cls, ContinuousEngine):
             raise InvalidRequestError(
                 f"serve needs an engine that takes requests while it runs (add_request, step, "
                 f"abort): continuous or a stage built on it; {self.engine!r} runs static batches")
+        # Every setting checked together before the model loads: a combination that cannot
+        # run (compiled with tensor parallelism, say) is refused here, naming both.
+        engine_config(self.engine, **self.engine_options())
+
+    def engine_options(self) -> dict[str, object]:
+        """The settings the server passes its engine, on top of the engine's preset."""
+        options: dict[str, object] = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "kv_cache_bytes": self.kv_cache_bytes}
+        if self.tensor_parallel is not None:
+            options["tensor_parallel"] = self.tensor_parallel
+        if self.speculative is not None:
+            options["speculative"] = self.speculative
+            options["num_draft_tokens"] = self.num_speculative_tokens
+        return options
 
     def check_kv_cache(self) -> None:
         """Before the model loads: a ``kv_cache_bytes`` more than the device's memory, or a
@@ -174,12 +179,7 @@ class ServerConfig:
                 f"at least {need * per_block}")
 
     def make_engine(self, lm: LoadedModel) -> ContinuousEngine:
-        runner = {} if self.tensor_parallel is None else {"tensor_parallel": self.tensor_parallel}
-        if self.speculative is not None:
-            runner["num_draft_tokens"] = self.num_speculative_tokens
-        return make_engine(self.engine, lm, max_num_seqs=self.max_num_seqs,
-                           max_num_batched_tokens=self.max_num_batched_tokens,
-                           kv_cache_bytes=self.kv_cache_bytes, **runner)
+        return make_engine(self.engine, lm, **self.engine_options())
 
 
 def device_kv_cache_bytes(device: torch.device) -> int:

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from ..core.errors import MiniInferError
 from ..core.kv_cache import RequestId
 from ..core.openmp import release_openmp_threads
-from ..core.prefix_cache import PrefixCacheBlockManager
 from ..core.sampling import SamplingParams, TokenLogprobs
 from ..core.scheduler import FinishReason, Request
 from ..engines.continuous import ContinuousEngine, StepResult
@@ -82,17 +81,6 @@ def _put_all(updates: list[tuple[RequestHandle, Update]]) -> None:
         handle.updates.put_nowait(update)
 
 
-def _shares_prefixes(engine: ContinuousEngine) -> bool:
-    return isinstance(engine.kv_cache.block_manager, PrefixCacheBlockManager)
-
-
-def _liveness_probe(engine: ContinuousEngine | None) -> Callable[[], None] | None:
-    """What raises when the engine's forward has lost a process it needs (a tensor-parallel
-    forward's ``check_alive``); None for a forward that runs in this process only."""
-    forward = getattr(getattr(engine, "runner", None), "forward", None)
-    return getattr(forward, "check_alive", None)
-
-
 def _is_fatal(exc: BaseException) -> bool:
     """An error after which no step can succeed: a tensor-parallel group that lost a rank is
     shut down for good (its forward says so on every later call)."""
@@ -120,12 +108,14 @@ class EngineLoop:
         # Choices waiting for their first sibling's prompt (RequestHandle.after), by its id.
         self._deferred: dict[RequestId, list[RequestHandle]] = {}
         self._num_deferred = 0
-        self._defer = engine is not None and _shares_prefixes(engine)
+        self._defer = engine is not None and engine.config.prefix_caching
         # Requests submitted but not yet taken off the command queue: two counters, each
         # written by one thread only, so no lock is needed for their difference.
         self._num_submitted = 0
         self._num_taken = 0
-        self._probe = _liveness_probe(engine)
+        # What raises once the runner has lost a process it needs (a tensor-parallel group).
+        self._probe = engine.runner.check_alive if engine is not None and \
+            engine.config.tensor_parallel > 1 else None
         # Why the engine can no longer serve (None while it can); written once, by the loop
         # thread. ``on_failure`` is called with it, on that thread.
         self.failure: str | None = None

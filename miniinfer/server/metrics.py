@@ -13,7 +13,7 @@ engine without a prefix cache never hits."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
@@ -82,9 +82,12 @@ class ServerMetrics:
         self.healthy = gauge("miniinfer:engine_healthy", "1 while the engine can serve; 0 "
                              "once it cannot (GET /health says why), until the server exits.")
         self.healthy.set(1)
-        stats = getattr(engine, "stats", None)
-        if stats is not None:  # a speculative engine (chapter 14)
-            r.register(_SpeculationCollector(stats, model_name))
+        # What runs, as one info metric (vLLM's cache_config_info does the same for its cache).
+        Info("miniinfer:engine_config", "The engine's settings (EngineConfig).", label,
+             registry=r).labels(model_name).info(
+                 {k: str(v) for k, v in engine.config.describe().items()})
+        if engine.config.speculative is not None:  # chapter 14's drafts
+            r.register(_SpeculationCollector(engine.stats, model_name))
 
     def first_token(self, request: Request) -> None:
         """A request's first token: its prompt was looked up when it was admitted."""
