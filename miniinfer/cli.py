@@ -243,13 +243,12 @@ def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from .core.models import chat_text, load_model
     from .core.sampling import SamplingParams
-    from .engines import make_engine, resolve_engine
-    from .engines.continuous import ContinuousEngine
+    from .engines import engine_config, make_engine
 
     # Cheap checks first: a typo should not cost a model load.
-    cls, _ = resolve_engine(args.engine)
     options = _runner_options(args, args.engine)
-    if issubclass(cls, ContinuousEngine):
+    config = engine_config(args.engine, **options)
+    if config is not None and config.forward == "compiled":
         # One run of a few prompts: compile the buckets its steps meet, when they meet them,
         # not every bucket a server would (minutes on a CPU before the first token).
         options["warm_up"] = False

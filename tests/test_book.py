@@ -254,7 +254,10 @@ def test_class_diff_finds_the_inherited_version_further_up():
 def test_every_stage_has_a_diff_and_continuous_holds_a_runner():
     for name, cls in ENGINES.items():
         diff = show_diff(name)
-        assert diff.cls is cls and diff.changes, name
+        assert diff.cls is cls and (diff.changes or diff.settings), name
+    # A serving stage is a preset of the engine's config: its diff names what it sets.
+    assert show_diff("compiled").settings == (("forward", "compiled"),)
+    assert "It sets weights='int4' in the engine's config." in show_diff("quantized").header()
     # Chapter 08's engine holds a model runner (chapter 06's forward) instead of inheriting a
     # static-batch stage; prefix caching builds on it.
     assert show_diff("continuous").parent is Engine

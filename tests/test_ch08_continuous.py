@@ -274,15 +274,21 @@ class StubRunner:
 
         return contextlib.nullcontext()
 
-    def execute(self, batch):
+    def execute(self, plan):
+        import dataclasses
+
         import torch
 
-        self.steps.append([(r.request_id, n) for r, n in batch.scheduled])
-        sampled = [r for r, n in batch.scheduled if r.num_computed_tokens + n == r.num_tokens]
-        logits = torch.zeros(len(sampled), self.vocab)
-        for row, request in enumerate(sampled):
-            logits[row, request.num_tokens % self.vocab] = 1.0
-        return logits, sampled
+        # Plain data only: ids, token ids, positions, block ids; no live request.
+        for part in plan.requests:
+            assert all(isinstance(getattr(part, f.name), int | list | str)
+                       for f in dataclasses.fields(part)), part
+        self.steps.append([(r.request_id, len(r.token_ids)) for r in plan.requests])
+        rows = [i for i, r in enumerate(plan.requests) if r.num_scored]
+        logits = torch.zeros(len(rows), self.vocab)
+        for j, i in enumerate(rows):
+            logits[j, plan.requests[i].end % self.vocab] = 1.0
+        return logits, rows
 
 
 def test_continuous_engine_loops_over_any_runner(tiny):

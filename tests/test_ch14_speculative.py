@@ -9,7 +9,7 @@ import pytest
 import torch
 from template import first_difference
 
-from miniinfer import ENGINES, SamplingParams, make_engine
+from miniinfer import ENGINES, MiniInferError, SamplingParams, make_engine
 from miniinfer.core.sampling import sampling_probs
 from miniinfer.core.speculative import DraftBudget, NgramIndex, accept_greedy, accept_sampled
 from miniinfer.engines.speculative import SpeculativeEngine
@@ -292,10 +292,15 @@ def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics
             else:
                 assert not any(name.startswith("vllm:spec_decode") for name in metrics)
     assert texts["ngram"] == texts[None]
-    with pytest.raises(InvalidRequestError, match="speculative must be one of ngram"):
+    with pytest.raises(MiniInferError, match="unknown speculative 'eagle'; choose one of ngram"):
         ServerConfig(speculative="eagle")
-    with pytest.raises(InvalidRequestError, match="runs on the prefix-cache engine"):
-        ServerConfig(engine="compiled", speculative="ngram")
+    # Drafts compose with any serving engine now (issue 78); what cannot combine is named.
+    from miniinfer.engines import engine_config
+
+    ServerConfig(engine="compiled", speculative="ngram")
+    assert engine_config("compiled", speculative="ngram").forward == "compiled"
+    with pytest.raises(InvalidRequestError, match="forward='compiled' and tensor_parallel=2"):
+        ServerConfig(engine="compiled", speculative="ngram", tensor_parallel=2)
 
 
 # -- the recording (make chapter-14), rehearsed on tiny sizes ---------------------------------

@@ -208,7 +208,8 @@ def test_the_serving_engines_decode_buckets_read_nothing_from_the_device(tiny, b
         engine.add_request(prompt, GREEDY)
     engine.step()  # the prompts
     with torch.inference_mode():  # as the engine's step runs
-        step, _ = runner.prepare_step(engine.scheduler.schedule())
+        step, _ = runner.prepare_step(
+            engine.scheduler.schedule().plan(runner.kv_cache.block_manager))
     assert graphs.fits(step) and step.num_tokens == 3
     with torch.inference_mode():
         for size in GRAPH_BUCKETS:
@@ -217,7 +218,7 @@ def test_the_serving_engines_decode_buckets_read_nothing_from_the_device(tiny, b
                 for _ in range(3):  # capture runs it once; the warm-up before it twice
                     assert static.run().shape == (size, tiny.config.vocab_size)
         with no_host_reads():
-            logits = graphs.replay(runner.forward, step)
+            logits = graphs.replay(step)
     assert logits.shape == (3, tiny.config.vocab_size)
     if backend == "triton":
         assert backend_stubs.launches > 0

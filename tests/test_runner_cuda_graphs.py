@@ -73,7 +73,8 @@ def test_a_step_with_prompt_chunks_or_several_scored_positions_runs_eagerly(tiny
     graphs = DecodeGraphs(runner.forward, runner.kv_cache, tiny.max_context, emulate=True)
     engine.add_request(list(range(5, 25)), GREEDY, request_id=0)
     with torch.inference_mode():  # as the engine's step runs
-        step, _ = runner.prepare_step(engine.scheduler.schedule())
+        step, _ = runner.prepare_step(
+            engine.scheduler.schedule().plan(runner.kv_cache.block_manager))
     assert step.num_chunks == 1 and not graphs.fits(step)
     decode = dataclasses.replace(step, num_decodes=step.num_tokens, query_starts=None)
     assert not graphs.fits(decode), "20 scored positions of one request are not decodes"

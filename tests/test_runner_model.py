@@ -72,21 +72,26 @@ def test_k_plus_1_positions_scored_in_one_step_equal_k_plus_1_single_steps(tiny,
     for how in ("one step", "single steps"):
         runner = ModelRunner(tiny, KVCacheConfig(num_blocks=8, block_size=4), forward="direct")
         request = Request("r", prompt, SamplingParams(), RequestTimeline(0.0))
-        runner.kv_cache.block_manager.add("r", len(prompt))
+        manager = runner.kv_cache.block_manager
+        manager.add("r", len(prompt))
         with torch.inference_mode():
-            rows, requests = runner.execute(ScheduledBatch([(request, first)], []))
+            plan = ScheduledBatch([(request, first)], []).plan(manager)
+            assert plan.requests[0].token_ids == prompt[:first] and plan.requests[0].start == 0
+            rows, requests = runner.execute(plan)
             assert rows.shape[0] == 0 and requests == []  # a partial prompt scores nothing
             request.num_computed_tokens = first
             if how == "one step":
                 batch = ScheduledBatch([(request, k + 1)], [], num_scored={"r": k + 1})
                 assert batch.num_decodes == 0  # the varlen kernel, causal over the k + 1
-                logits[how], requests = runner.execute(batch)
-                assert requests == [request] * (k + 1)
+                plan = batch.plan(manager)
+                assert (plan.requests[0].start, plan.requests[0].num_scored) == (first, k + 1)
+                logits[how], requests = runner.execute(plan)
+                assert requests == [0] * (k + 1)  # every row is the plan's first request
             else:
                 parts = []
                 for _ in range(k + 1):
                     batch = ScheduledBatch([(request, 1)], [], num_scored={"r": 1})
-                    parts.append(runner.execute(batch)[0])
+                    parts.append(runner.execute(batch.plan(manager))[0])
                     request.num_computed_tokens += 1
                 logits[how] = torch.cat(parts)
     assert logits["one step"].shape == (k + 1, tiny.config.vocab_size)

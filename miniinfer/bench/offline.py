@@ -87,10 +87,10 @@ def make_bench_engine(name: str, lm: LoadedModel, **options) -> Engine:
         from .peers.vllm_peer import VLLMEngine
 
         return VLLMEngine(lm)
-    from ..engines import resolve_engine
-    from ..engines.continuous import ContinuousEngine
+    from ..engines import engine_config
 
-    if issubclass(resolve_engine(name)[0], ContinuousEngine):
+    config = engine_config(name, **options)
+    if config is not None and config.forward == "compiled":
         # A benchmark warms every engine up at every batch size before timing it: that run
         # compiles the buckets the timed runs meet, and only those (not every bucket a server
         # would meet: minutes on a CPU).

@@ -30,6 +30,9 @@ class StageDiff:
     parent: type
     changes: tuple[MethodChange, ...]
     module_extras: tuple[str, ...]  # other classes and functions its module defines
+    # The engine settings the stage sets on top of its parent's (a serving stage is a preset
+    # of one config: chapter 11's compiled stage is forward="compiled").
+    settings: tuple[tuple[str, object], ...] = ()
 
     def header(self) -> str:
         parent_stage = getattr(self.parent, "name", None)
@@ -41,9 +44,12 @@ class StageDiff:
         stage = getattr(self.cls, "name", None)
         chapter = (chapter_of_stage(stage) if stage else None) or "?"
         lines = [f"`{self.stage}` ({self.cls.__name__} in `{self.cls.__module__}`, chapter "
-                 f"{chapter}) subclasses {parent}.",
-                 f"It overrides {_names(overrides)} and adds {_names(adds)}; everything else is "
-                 f"inherited."]
+                 f"{chapter}) subclasses {parent}."]
+        if self.settings:
+            lines.append("It sets " + ", ".join(f"{k}={v!r}" for k, v in self.settings)
+                         + " in the engine's config.")
+        lines.append(f"It overrides {_names(overrides)} and adds {_names(adds)}; everything "
+                     f"else is inherited.")
         if self.module_extras:
             lines.append(f"Its module also defines {_names(list(self.module_extras))}.")
         return " ".join(lines)
@@ -105,8 +111,10 @@ def class_diff(cls: type, stage: str | None = None) -> StageDiff:
     extras = tuple(name for name, obj in vars(module).items()
                    if (inspect.isclass(obj) or inspect.isfunction(obj)) and obj is not cls
                    and getattr(obj, "__module__", None) == module.__name__)
+    preset, before = getattr(cls, "preset", {}), getattr(parent, "preset", {})
+    settings = tuple((k, v) for k, v in preset.items() if before.get(k, object()) != v)
     return StageDiff(stage or getattr(cls, "name", cls.__name__), cls, parent, tuple(changes),
-                     extras)
+                     extras, settings)
 
 
 def _function_of(member) -> object | None:

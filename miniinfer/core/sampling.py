@@ -146,38 +146,31 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / top-p (nucleus) set to -inf. ``logits``: [B, V]."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens before it already hold top_p of the mass; the most
-        # likely token is always kept.
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    """Set logits outside the top-k / top-p (nucleus) set to -inf. ``logits``: [B, V]. The
+    batched sampler's filter (:func:`_filtered_logits`) with one setting for every row."""
+    params = SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)
+    return _filtered_logits(logits, [params] * logits.shape[0])
 
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V].
-
-    Sampling is an exponential race: each token draws ``E ~ Exp(1)`` and the smallest
-    ``E / p`` wins, which picks token ``i`` with probability ``p_i`` (the Gumbel-max trick in
-    another form). It is what ``torch.multinomial`` computes for one sample, from the same
-    generator (so a seed draws the tokens it drew with it), minus multinomial's check of its
-    input on the host: device ops only, so a decode step that samples never waits for the
-    device."""
+    """Next token ids [B] from last-position logits [B, V], every row with the same
+    parameters and one generator (the static-batch stages): the batched sampler's filters and
+    race (:func:`sample_from_probs`), its parameters broadcast over the rows."""
     if params.greedy:
         return logits.argmax(dim=-1)
-    logits = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-    probs = logits.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    probs = _row_probs(logits.float(), [params] * logits.shape[0])
+    return _race(probs, torch.empty_like(probs).exponential_(generator=generator))
+
+
+def _race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The token each row draws: an exponential race. Each token draws ``E ~ Exp(1)`` and the
+    smallest ``E / p`` wins, which picks token ``i`` with probability ``p_i`` (the Gumbel-max
+    trick in another form). It is what ``torch.multinomial`` computes for one sample, from the
+    same generator (so a seed draws the tokens it drew with it), minus multinomial's check of
+    its input on the host: device ops only, so a decode step that samples never waits for
+    the device."""
     # A draw of exactly 0 would divide to inf or NaN; the clamp keeps it finite (and a
     # filtered token's probability 0 stays 0).
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
@@ -346,7 +339,7 @@ def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Sampled tokens [m] for rows that all have a temperature > 0."""
-    return sample_from_probs(_row_probs(logits, requests), requests)
+    return sample_from_probs(_row_probs(logits, [r.params for r in requests]), requests)
 
 
 def sampling_probs(logits: torch.Tensor, requests: Sequence[Request],
@@ -359,16 +352,24 @@ def sampling_probs(logits: torch.Tensor, requests: Sequence[Request],
     _apply_logit_bias(logits, params)
     _mask_stops_before_min_tokens(logits, requests, eos_token_id)
     _apply_penalties(logits, requests)
-    return _row_probs(logits, requests)
+    return _row_probs(logits, params)
 
 
-def _row_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+def _row_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Each row's distribution after temperature, min-p, top-k and top-p."""
-    params = [r.params for r in requests]
+    return _filtered_logits(logits, params).softmax(dim=-1)
+
+
+def _filtered_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's logits after its temperature, min-p, top-k and top-p (-inf outside)."""
     device, vocab_size = logits.device, logits.shape[-1]
     neg_inf = float("-inf")
 
-    def column(values: list[float]) -> torch.Tensor:
+    def column(values: list[float]) -> torch.Tensor | float:
+        # One value for every row (a static batch's) stays a number: nothing is copied to
+        # the device, so a step that samples never waits on a host-to-device copy.
+        if all(v == values[0] for v in values):
+            return values[0]
         return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
 
     logits = logits / column([p.temperature for p in params])
@@ -384,10 +385,13 @@ def _row_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
         # top-k get -inf.
         candidates = torch.topk(logits, max(k for k in top_k if k < vocab_size), dim=-1)
         width = candidates.values.shape[-1]
-        kth = candidates.values.gather(1, torch.tensor([min(k, width) - 1 for k in top_k],
-                                                       device=device)[:, None])
-        kth = kth.masked_fill(torch.tensor(top_k, device=device)[:, None] == vocab_size,
-                              neg_inf)
+        if max(top_k) == min(top_k):
+            kth = candidates.values[:, width - 1:]
+        else:
+            kth = candidates.values.gather(1, torch.tensor([min(k, width) - 1 for k in top_k],
+                                                           device=device)[:, None])
+            kth = kth.masked_fill(torch.tensor(top_k, device=device)[:, None] == vocab_size,
+                                  neg_inf)
         logits = logits.masked_fill(logits < kth, neg_inf)
     if min(top_p) < 1.0:
         if max(top_k) < vocab_size:
@@ -404,7 +408,7 @@ def _row_probs(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tenso
         drop = torch.zeros(logits.shape, dtype=torch.bool, device=device).scatter(
             -1, order, drop_sorted)
         logits = logits.masked_fill(drop, neg_inf)
-    return logits.softmax(dim=-1)
+    return logits
 
 
 def sample_from_probs(probs: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -423,4 +427,4 @@ def sample_from_probs(probs: torch.Tensor, requests: Sequence[Request]) -> torch
         for row, request in enumerate(requests):
             if request.params.seed is not None and request.generator is not None:
                 noise[row].exponential_(generator=request.generator)
-    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return _race(probs, noise)

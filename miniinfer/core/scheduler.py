@@ -167,6 +167,48 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
 
+    def plan(self, block_manager: BlockManager) -> StepPlan:
+        """This step as plain data for the runner: what each request feeds, where, into which
+        blocks, and how many of its positions are scored; no live request goes with it."""
+        return StepPlan([
+            ScheduledRequest(request.request_id,
+                             request.token_ids(request.num_computed_tokens,
+                                               request.num_computed_tokens + n),
+                             request.num_computed_tokens,
+                             list(block_manager.block_tables[request.request_id]),
+                             self.scored(request, n))
+            for request, n in self.scheduled])
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's part of a step (vLLM's ``SchedulerOutput`` holds the same per request id):
+    the token ids it feeds (a decode's one, a prompt chunk, or a last token and its drafts),
+    the position of the first, its block table, and how many of its last positions get
+    logits."""
+
+    request_id: RequestId
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    num_scored: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """A scheduled step as the runner reads it: requests fed one token first (decodes), then
+    the others (prompt chunks, verification steps), as the scheduler ordered them."""
+
+    requests: list[ScheduledRequest]
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(len(r.token_ids) == 1 for r in self.requests)
+
 
 class Scheduler:
     """Waiting queue, running list and the per-step decision. Blocks come from ``block_manager``,

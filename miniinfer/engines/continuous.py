@@ -172,7 +172,9 @@ class ContinuousEngine(Engine):
         if batch.scheduled:
             try:
                 with torch.inference_mode(), self.runner.paged_attention():
-                    logits, rows = self.runner.execute(batch)
+                    logits, rows = self.runner.execute(
+                        batch.plan(self.kv_cache.block_manager))
+                    rows = [batch.scheduled[row][0] for row in rows]
                     with phase("sample"):
                         kept = self.sample(logits, rows)
             except BaseException:

@@ -40,7 +40,7 @@ from ..core.kernels import AttentionBackend, triton_attention
 from ..core.kv_cache import BlockManager, KVCacheConfig, PagedKVCache
 from ..core.models import LoadedModel
 from ..core.ranges import phase
-from ..core.scheduler import Request, ScheduledBatch
+from ..core.scheduler import StepPlan
 from .attention import ATTN_IMPLEMENTATION, PagedAttention, attn_implementation, has_sliding_window
 from .cuda_graphs import DecodeGraphs, capture_unworthy_reason
 from .direct import DirectForward, unsupported_reason
@@ -233,26 +233,24 @@ class ModelRunner:
         host.copy_(torch.tensor(values, dtype=torch.int32))
         return host.to(self.device, non_blocking=True)
 
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """The forward of one scheduled step; returns the logits rows the step scores and the
-        request of each row, in the same order: by default one row for each request that
-        reached its last token (it samples); a request the batch scores at ``k + 1`` positions
-        (``ScheduledBatch.num_scored``) has ``k + 1`` consecutive rows."""
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """The forward of one scheduled step; returns the logits rows the step scores and, for
+        each row in the same order, the index of its request in ``plan.requests``: by default
+        one row for each request that reached its last token (it samples); a request scored at
+        ``k + 1`` positions has ``k + 1`` consecutive rows."""
         with phase("prepare_inputs"):
-            step, sampled = self.prepare_step(batch)
+            step, rows = self.prepare_step(plan)
         with phase("model_forward"):
             graphs = self.decode_graphs
             if graphs is not None and graphs.fits(step):
-                return graphs.replay(step), sampled
-            return self.forward(step), sampled
+                return graphs.replay(step), rows
+            return self.forward(step), rows
 
-    def prepare_step(self, batch: ScheduledBatch) -> tuple[StepBatch, list[Request]]:
+    def prepare_step(self, plan: StepPlan) -> tuple[StepBatch, list[int]]:
         """Flatten the scheduled tokens (decodes first) into a step batch, its tensors sent in
-        one staged copy, and the request of each scored row. Only the positions the batch
-        scores go through the LM head (by default the last position of a request that reaches
-        the end of its tokens); a partial prompt chunk only fills the cache."""
-        manager = self.kv_cache.block_manager
-        block_size = manager.block_size
+        one staged copy, and the request index of each scored row. Only the positions the
+        plan scores go through the LM head; a partial prompt chunk only fills the cache."""
+        block_size = self.kv_cache.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -260,23 +258,20 @@ class ModelRunner:
         context_lens: list[int] = []
         tables: list[list[int]] = []
         logits_rows: list[int] = []
-        sampled: list[Request] = []
-        for row, (request, n) in enumerate(batch.scheduled):
-            start = request.num_computed_tokens
-            end = start + n
-            table = manager.block_tables[request.request_id]
-            ids += request.token_ids(start, end)
+        scored_rows: list[int] = []
+        for row, request in enumerate(plan.requests):
+            start, end, table = request.start, request.end, request.block_table
+            ids += request.token_ids
             positions += range(start, end)
             slots += [table[t // block_size] * block_size + t % block_size
                       for t in range(start, end)]
-            token_rows += [row] * n
+            token_rows += [row] * (end - start)
             context_lens.append(end)
             tables.append(table)
-            scored = batch.scored(request, n)
-            logits_rows += range(len(ids) - scored, len(ids))
-            sampled += [request] * scored
-        num_decodes = batch.num_decodes
-        chunk_lens = [n for _, n in batch.scheduled[num_decodes:]]
+            logits_rows += range(len(ids) - request.num_scored, len(ids))
+            scored_rows += [row] * request.num_scored
+        num_decodes = plan.num_decodes
+        chunk_lens = [len(r.token_ids) for r in plan.requests[num_decodes:]]
         query_starts = [0, *accumulate(chunk_lens)] if chunk_lens else []
         width = max(len(table) for table in tables)
         staged = self.stage(ids + positions + slots + token_rows + context_lens + query_starts
@@ -290,4 +285,4 @@ class ModelRunner:
                          context_lens_t, rows_t, num_decodes,
                          query_starts=starts_t if chunk_lens else None,
                          max_query_len=max(chunk_lens, default=1), logits_rows=logits_t)
-        return step, sampled
+        return step, scored_rows
