@@ -208,7 +208,8 @@ def test_forwards_over_one_model_share_their_graphs(paged, tiny):
     # What a serving benchmark does for each token budget: a new engine, a new pool (of the
     # same size), the same model and options.
     again = CompiledForward(tiny.model, make_engine("paged-attention", tiny).kv_cache, OPTIONS)
-    assert again.body is first.body and again.head is first.head
+    assert again._graphs is first._graphs and again._heads is first._heads
+    assert again.body("template", False) is first.body("template", False)
     # It knows which buckets are compiled already: only a first compile runs with oneDNN off.
     assert again._compiled is first._compiled and ("body", 16) in again._compiled
     assert again.warm_up() == {} and again.num_compiles == 0
@@ -320,7 +321,7 @@ def test_autotuned_template_graphs_match_eager_beside_the_merged_projections(tin
     ids = torch.randint(10, 4000, (8,), generator=generator)
     positions, slots = torch.arange(8), torch.arange(8) + 16  # block 1, its first 8 slots
     tables = torch.tensor([[1, 2]] * 8, dtype=torch.int32)
-    graph = forward.body["template", forward._by_segment(8)]
+    graph = forward.body("template", forward._by_segment(8))
     with torch.inference_mode():
         pool = forward.pool.clone()
         compiled = forward._body(ids, positions, slots, tables).clone()
@@ -549,4 +550,5 @@ def test_fused_tokens_attend_through_the_kernel_or_say_why_not(tiny, monkeypatch
 
 def _bodies(forward: CompiledForward) -> list[torch.nn.Module]:
     """The _Body modules behind a forward's compiled functions."""
-    return [graph._orig_mod for graph in forward.body.values()]
+    return [forward.body(gemm, by_segment)._orig_mod for gemm in ("template", "aten", "onednn")
+            for by_segment in (True, False)]

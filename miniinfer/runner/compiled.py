@@ -263,6 +263,10 @@ _SHARED: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, tuple[dict, dict
     weakref.WeakKeyDictionary()
 
 
+# Each model's copy with prepacked oneDNN linears, made when a graph first needs it.
+_PREPACKED: weakref.WeakKeyDictionary[Model, Model] = weakref.WeakKeyDictionary()
+
+
 # Each model's graph constants by (shape, strides, dtype, device), for share_constants.
 _CONSTANTS: weakref.WeakKeyDictionary[PreTrainedModel, dict[tuple, list[torch.Tensor]]] = \
     weakref.WeakKeyDictionary()
@@ -346,20 +350,11 @@ class CompiledForward:
                self.reason_fused is None)
         if key not in shared:
             # The oneDNN graphs run the model with its linears swapped for prepacked ones
-            # (packed once per model, kept while the model lives).
-            dense = self.model
-            kinds = {"template": dense, "aten": dense,
-                     "onednn": prepacked(dense) if self._uses_onednn else dense}
-            shared[key] = (
-                {(gemm, by_segment): self._compile(
-                    _Body(kind, self.block_size, by_segment, self.options.fused_attention_rows,
-                          self.reason_fused is None), gemm == "template")
-                 for gemm, kind in kinds.items() for by_segment in (True, False)},
-                {gemm: self._compile(_Head(kind), gemm == "template")
-                 for gemm, kind in kinds.items()},
-                set())
+            # (packed once per model, kept while the model lives): packed when a bucket first
+            # needs them, so a run that never meets one (a short generate) holds no such copy.
+            shared[key] = ({}, {}, set())
         # The (graph, bucket) pairs any sharer has compiled (see _run).
-        self.body, self.head, self._compiled = shared[key]
+        self._graphs, self._heads, self._compiled = shared[key]
         # The graph constants every later graph over this model may share (see _run).
         self._constants = _CONSTANTS.setdefault(model, {})
         if self.device.type == "cuda":
@@ -370,6 +365,31 @@ class CompiledForward:
     @property
     def compiled(self) -> bool:
         return self.reason_eager is None
+
+    def _model_for(self, gemm: str) -> Model:
+        if gemm != "onednn":
+            return self.model
+        packed = _PREPACKED.get(self.model)
+        if packed is None:
+            packed = _PREPACKED[self.model] = prepacked(self.model)
+        return packed
+
+    def body(self, gemm: str, by_segment: bool):
+        """The compiled body whose matmuls are ``gemm``'s, made the first time it is asked."""
+        graph = self._graphs.get((gemm, by_segment))
+        if graph is None:
+            graph = self._graphs[gemm, by_segment] = self._compile(
+                _Body(self._model_for(gemm), self.block_size, by_segment,
+                      self.options.fused_attention_rows, self.reason_fused is None),
+                gemm == "template")
+        return graph
+
+    def head(self, gemm: str):
+        graph = self._heads.get(gemm)
+        if graph is None:
+            graph = self._heads[gemm] = self._compile(_Head(self._model_for(gemm)),
+                                                      gemm == "template")
+        return graph
 
     @property
     def _onednn_min_tokens(self) -> int | None:
@@ -465,7 +485,7 @@ class CompiledForward:
         # and sin wherever RoPE is read, which in attention is once per context position.
         cos, sin = self.model.rope(position_ids)
         torch._dynamo.mark_dynamic(tables, 1)
-        graph = self.body[self._gemm(bucket), self._by_segment(bucket)]
+        graph = self.body(self._gemm(bucket), self._by_segment(bucket))
         return self._run(("body", bucket), graph, input_ids, position_ids, cos, sin,
                          slot_mapping, rows, tables, self.pool)
 
@@ -479,7 +499,7 @@ class CompiledForward:
         bucket = self.bucket(num_rows)
         if hidden.shape[0] != bucket:
             hidden = F.pad(hidden[:num_rows], (0, 0, 0, bucket - num_rows))
-        return self._run(("head", bucket), self.head[self._gemm(bucket)], hidden)[:num_rows]
+        return self._run(("head", bucket), self.head(self._gemm(bucket)), hidden)[:num_rows]
 
     def _gemm(self, bucket: int) -> str:
         """Which matmuls a bucket's graph runs: ``onednn`` (prepacked, see onednn_linear),
