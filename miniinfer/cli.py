@@ -13,6 +13,7 @@ what had finished (marked ``partial=True``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import os
@@ -220,24 +221,32 @@ def _interrupted(exc: KeyboardInterrupt, out: Path | None, show: Callable[[Any],
     return Interrupted(kept)
 
 
-def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, int]:
-    """``--tensor-parallel N`` as an engine option, for the engines built on the model runner
-    (chapter 08 on); checked with the engine's other settings before any model loads."""
+def _runner_options(args: argparse.Namespace, engine: str) -> dict[str, object]:
+    """``--tensor-parallel N`` and the engine-setting flags given, as engine options for the
+    engines built on the model runner (chapter 08 on); checked with the engine's preset
+    before any model loads (a combination that cannot run is named)."""
+    from .core.config import SETTING_HELP
     from .engines import ENGINES, engine_config, resolve_engine
     from .engines.continuous import ContinuousEngine
 
+    settings = {name: getattr(args, name) for name in SETTING_HELP
+                if getattr(args, name, None) is not None}
     n = getattr(args, "tensor_parallel", None)
-    if n is None:
+    if n is None and not settings:
         return {}
-    if engine.partition(":")[0] not in ENGINES:  # a peer (vllm): its own parallelism
-        raise InvalidRequestError(f"--tensor-parallel {n}: {engine!r} is not one of our engines")
-    if n < 1:
+    given = ", ".join([*(["--tensor-parallel"] if n is not None else []),
+                       *("--" + name.replace("_", "-") for name in settings)])
+    if engine.partition(":")[0] not in ENGINES:  # a peer (vllm): its own settings
+        raise InvalidRequestError(f"{given}: {engine!r} is not one of our engines")
+    if n is not None and n < 1:
         raise InvalidRequestError(f"--tensor-parallel must be >= 1, got {n}")
     if not issubclass(resolve_engine(engine)[0], ContinuousEngine):
-        raise InvalidRequestError(f"--tensor-parallel {n}: engine {engine!r} does not run on the "
-                                  f"model runner; use continuous, prefix-cache or tensor-parallel")
-    engine_config(engine, tensor_parallel=n)  # compiled or quantized with it: refused, named
-    return {"tensor_parallel": n}
+        raise InvalidRequestError(f"{given}: engine {engine!r} does not run on the model "
+                                  f"runner; use continuous or a stage built on it")
+    if n is not None:
+        settings["tensor_parallel"] = n
+    engine_config(engine, **settings)  # compiled or quantized with tensor parallelism: named
+    return settings
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -403,7 +412,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .core.models import resolve_device
     from .server import ServerConfig, run_server
 
-    _runner_options(args, args.engine)
+    options = _runner_options(args, args.engine)
     config = ServerConfig(model=args.model, engine=args.engine, host=args.host, port=args.port,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -413,6 +422,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                           tensor_parallel=args.tensor_parallel,
                           speculative=args.speculative,
                           num_speculative_tokens=args.num_speculative_tokens,
+                          engine_settings={k: v for k, v in options.items()
+                                           if k != "tensor_parallel"},
                           **({} if args.max_request_bytes is None else
                              {"max_request_bytes": args.max_request_bytes}))
     # All before the model loads: a busy port must not cost a load, and then a traceback.
@@ -495,6 +506,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                        help="split the model over N processes (chapter 12; runner engines only)")
 
+    def engine_settings(p: argparse.ArgumentParser) -> None:
+        """One flag per engine setting (core.config), on top of the engine's preset; those the
+        command already names its own way (serve's --speculative) are left to it."""
+        from .core.config import SETTING_HELP, EngineConfig
+
+        group = p.add_argument_group("engine settings (on top of the engine's preset; "
+                                     "chapter 08's engine and the stages built on it)")
+        taken = {action.dest for action in p._actions}
+        types = {f.name: f.type for f in dataclasses.fields(EngineConfig)}
+        for name, text in SETTING_HELP.items():
+            if name in taken:
+                continue
+            flag = "--" + name.replace("_", "-")
+            if types[name] == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                   help=text)
+            else:
+                kind = int if types[name].startswith("int") else str
+                group.add_argument(flag, type=kind, default=None,
+                                   choices=EngineConfig.choices(name), help=text)
+
     gen = sub.add_parser("generate", help="generate text for one or more prompts")
     gen.add_argument("--engine", default="naive")
     model_args(gen, "smollm2-135m")
@@ -508,6 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON line per prompt")
+    engine_settings(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="offline decode benchmark -> table + tidy CSV")
@@ -521,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3)
     bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
     bench.add_argument("--out", help="CSV path (Ctrl-C: the finished rows, marked partial)")
+    engine_settings(bench)
     bench.set_defaults(func=cmd_bench)
 
     serving = sub.add_parser(
@@ -590,6 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "and verifies them in the same step; the tokens do not change")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,
                        help="with --speculative: the most draft tokens a request gets a step")
+    engine_settings(serve)
     serve.set_defaults(func=cmd_serve)
 
     sub.add_parser("engines", help="list engine stages").set_defaults(func=cmd_engines)

@@ -152,3 +152,43 @@ def test_the_cli_refuses_compiled_with_tensor_parallel_before_loading_the_model(
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "forward='compiled' and tensor_parallel=2" in lines[0], \
         done.stderr
+
+
+def test_every_engine_setting_is_a_flag_and_reaches_the_engine(monkeypatch):
+    from miniinfer import engines
+    from miniinfer.cli import build_parser, main
+    from miniinfer.core.config import SETTING_HELP
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["generate"].format_help()
+    for name in SETTING_HELP:
+        assert "--" + name.replace("_", "-") in help_text, name
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_make_engine(name, lm, **options):
+        built.append((name, options))
+        raise Stop
+
+    monkeypatch.setattr(engines, "make_engine", fake_make_engine)
+    with pytest.raises(Stop):
+        main(["generate", "--model", "tiny", "--engine", "continuous", "--weights", "int8",
+              "--prefix-caching", "--speculative", "ngram", "--prompt", "Hello"])
+    assert built == [("continuous", {"weights": "int8", "prefix_caching": True,
+                                     "speculative": "ngram"})]
+
+
+def test_metrics_report_what_runs(tiny):
+    from prometheus_client import generate_latest
+
+    from miniinfer.server.metrics import ServerMetrics
+
+    engine = make_engine("prefix-cache", tiny, weights="int8", forward="direct",
+                         speculative="ngram")
+    text = generate_latest(ServerMetrics(engine, "tiny").registry).decode()
+    line = next(t for t in text.splitlines() if t.startswith("miniinfer:engine_config_info{"))
+    for setting in ('weights="int8"', 'forward="direct"', 'prefix_caching="True"',
+                    'speculative="ngram"', 'tensor_parallel="1"'):
+        assert setting in line, (setting, line)
+    assert "vllm:spec_decode_num_drafts_total" in text

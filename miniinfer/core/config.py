@@ -27,6 +27,22 @@ SPECULATIVE = ("ngram",)
 DRAFT_POLICIES = ("adaptive", "fixed")
 
 
+# What each setting does, for the command line's flags (one per setting, `--help` from here).
+SETTING_HELP = {
+    "weights": "chapter 13: dense (the model's own), int8, or int4 (the GGUF's Q4_1 blocks)",
+    "forward": "chapters 06/11: how a step runs the model (direct, registry, compiled; auto: "
+               "direct wherever it applies)",
+    "attention_backend": "the paged attention kernels (default: the best available)",
+    "block_size": "tokens per KV block",
+    "cuda_graphs": "chapter 07: decode steps replayed as CUDA graphs on a GPU",
+    "prefix_caching": "chapter 09: reuse the KV blocks of a prompt prefix seen before",
+    "speculative": "chapter 14: draft tokens to verify in the same step (ngram: prompt lookup)",
+    "num_draft_tokens": "chapter 14: the most draft tokens a request gets in one step",
+    "draft_policy": "chapter 14: adaptive (drafts where the step's cost model says they pay) "
+                    "or fixed",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What chapter 08's continuous engine and every stage built on it are configured by."""
@@ -109,6 +125,12 @@ class EngineConfig:
     def scheduler(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                self.chunked_prefill)
+
+    @staticmethod
+    def choices(name: str) -> tuple | None:
+        """The values a setting takes, where they are a fixed list."""
+        return {"weights": WEIGHTS, "forward": FORWARDS, "speculative": SPECULATIVE,
+                "draft_policy": DRAFT_POLICIES}.get(name)
 
     def describe(self) -> dict[str, object]:
         """The settings that say what runs (for ``/v1/models`` and ``/metrics``)."""

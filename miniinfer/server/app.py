@@ -23,7 +23,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -105,6 +105,8 @@ class ServerConfig:
     # (chapter 14), on whichever engine it serves.
     speculative: str | None = None
     num_speculative_tokens: int = 4  # the most draft tokens a request gets in one step
+    # Any other engine settings (EngineConfig's fields: weights, forward, prefix_caching...).
+    engine_settings: dict[str, object] = field(default_factory=dict)
     # Once the engine can no longer serve, /health answers 503 for this long (a load balancer
     # takes the server out), then the server exits with EXIT_ENGINE_DEAD.
     exit_after_failure_s: float = 5.0
@@ -141,6 +143,7 @@ class ServerConfig:
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "kv_cache_bytes": self.kv_cache_bytes}
+        options.update(self.engine_settings)
         if self.tensor_parallel is not None:
             options["tensor_parallel"] = self.tensor_parallel
         if self.speculative is not None:
