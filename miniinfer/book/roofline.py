@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from ..core import kv_cache
 from ..core.errors import MiniInferError
 
 # The ops of a decode step, in the order the book draws them.
@@ -36,7 +37,7 @@ BATCH_SIZES = (1, 8, 32, 128)
 
 
 def _shape(config) -> dict[str, int]:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = kv_cache.head_dim(config)
     return {"hidden": config.hidden_size, "intermediate": config.intermediate_size,
             "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads,
             "head_dim": head_dim, "layers": config.num_hidden_layers, "vocab": config.vocab_size}

@@ -35,6 +35,7 @@ from transformers import GenerationConfig
 
 from ..bench.devices import REPO_ROOT, LoadGuard, device_slug, recording_root, run_metadata
 from ..core.kernels import unavailable_reason
+from ..core.kv_cache import head_dim
 from ..core.models import LoadedModel, chat_text, dtype_name, load_model, resolve_device
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
@@ -168,8 +169,8 @@ def attention_backend(lm: LoadedModel) -> str:
     the varlen kernel, and the reference's varlen copies each request's whole context out of
     the pool first (on the served `copy` prompts, 125-653 tokens, that copy cost the
     speculative stage its gain). Elsewhere the engines' own choice."""
-    head_dim = lm.config.hidden_size // lm.config.num_attention_heads
-    if lm.device.type == "cpu" and unavailable_reason("cpu", lm.device, head_dim=head_dim) is None:
+    if lm.device.type == "cpu" and unavailable_reason(
+            "cpu", lm.device, head_dim=head_dim(lm.config)) is None:
         return "cpu"
     return "auto"
 

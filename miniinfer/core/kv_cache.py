@@ -37,12 +37,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def head_dim(model_config) -> int:
+    """Each attention head's width: the config's own, or the hidden size split over the heads
+    (HF's rule for configs that do not name it)."""
+    return getattr(model_config, "head_dim", None) or \
+        model_config.hidden_size // model_config.num_attention_heads
+
+
 def kv_bytes_per_block(model_config, dtype: torch.dtype, block_size: int) -> int:
     """Bytes one block of ``block_size`` tokens takes in the pool: K and V, every layer."""
-    head_dim = getattr(model_config, "head_dim", None) or \
-        model_config.hidden_size // model_config.num_attention_heads
     return (model_config.num_hidden_layers * 2 * block_size * model_config.num_key_value_heads
-            * head_dim * dtype.itemsize)
+            * head_dim(model_config) * dtype.itemsize)
 
 
 @dataclass(slots=True)
@@ -212,8 +217,7 @@ class PagedKVCache:
         model_config = lm.config
         self.num_layers = model_config.num_hidden_layers
         self.kv_heads = kv_heads or model_config.num_key_value_heads
-        self.head_dim = getattr(model_config, "head_dim", None) or \
-            model_config.hidden_size // model_config.num_attention_heads
+        self.head_dim = head_dim(model_config)
         block_size = self.config.block_size
         bytes_per_block = kv_bytes_per_block(model_config, lm.dtype, block_size)
         num_blocks = self.config.resolve_num_blocks(bytes_per_block, lm.max_context)

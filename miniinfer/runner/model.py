@@ -42,6 +42,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
+from ..core import kv_cache
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 # Rotary types whose frequencies are fixed at load (the others change with the sequence length).
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -235,7 +237,7 @@ def from_state_dict(config, state: dict[str, torch.Tensor], inv_freq: torch.Tens
     by the state dict's names, the tensor of ours each HF weight equals (a row view of a
     fused projection, or the copy itself)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = kv_cache.head_dim(config)
     eps = config.rms_norm_eps
     act = ACT2FN[config.hidden_act]
     ours: dict[str, torch.Tensor] = {}

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..core.errors import InvalidRequestError, MiniInferError
-from ..core.kv_cache import zeroed_pool
+from ..core.kv_cache import head_dim, zeroed_pool
 from ..core.models import LoadedModel, load_model
 from .attention import PagedAttention
 from .direct import DirectForward
@@ -147,10 +147,6 @@ class ShardLayout:
         return range(rank * n, (rank + 1) * n)
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _layout_problems(config, n: int) -> list[str]:
     heads, kv, inter = (config.num_attention_heads, config.num_key_value_heads,
                         config.intermediate_size)
@@ -179,7 +175,7 @@ def shard_layout(config, tensor_parallel: int, model_name: str = "the model") ->
             f"tensor_parallel={n} cannot split {model_name}: {'; '.join(problems)}; sizes that "
             f"work: {', '.join(map(str, sizes))}")
     return ShardLayout(n, config.num_attention_heads, config.num_key_value_heads,
-                       _head_dim(config), config.intermediate_size)
+                       head_dim(config), config.intermediate_size)
 
 
 # -- one rank's slice of the model -------------------------------------------------------------
