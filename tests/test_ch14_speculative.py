@@ -11,7 +11,14 @@ from template import first_difference
 
 from miniinfer import ENGINES, MiniInferError, SamplingParams, make_engine
 from miniinfer.core.sampling import sampling_probs
-from miniinfer.core.speculative import DraftBudget, NgramIndex, accept_greedy, accept_sampled
+from miniinfer.core.errors import InvalidRequestError
+from miniinfer.core.speculative import (
+    Acceptance,
+    DraftBudget,
+    NgramIndex,
+    accept_greedy,
+    accept_sampled,
+)
 from miniinfer.engines.speculative import SpeculativeEngine
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -42,6 +49,37 @@ def test_prompt_lookup_matches_the_longest_suffix_at_its_latest_occurrence():
     assert NgramIndex().propose([1, 2, 3], 4) == [] and NgramIndex().propose([1], 2) == []
 
 
+def test_the_longest_match_drafts_first_up_to_three_tokens_down_to_one():
+    # "2 3 4" last occurred before 8, "1 2 3 4" before 9: a match is at most 3 tokens long.
+    assert NgramIndex().propose([1, 2, 3, 4, 9, 5, 2, 3, 4, 8, 1, 2, 3, 4], 1) == [8]
+    # "1 2" (before 9) outranks the later "2" (before 7): the 2-gram is tried before the 1-gram.
+    assert NgramIndex().propose([1, 2, 9, 3, 2, 7, 1, 2], 1) == [9]
+    # Only a 1-gram occurred before: it still drafts.
+    assert NgramIndex().propose([5, 6, 7, 5], 2) == [6, 7]
+    assert NgramIndex().propose([5, 6, 7, 5], 0) == []
+
+
+class CountingDict(dict):
+    writes = 0
+
+    def __setitem__(self, key, value) -> None:
+        type(self).writes += 1
+        super().__setitem__(key, value)
+
+
+def test_the_index_grows_with_the_text_three_writes_a_token():
+    CountingDict.writes = 0
+    index = NgramIndex(followers=CountingDict())
+    text = [(7 * i) % 11 for i in range(60)]
+    index.propose(text, 2)
+    first = CountingDict.writes
+    assert first <= 3 * len(text) and index.num_indexed == len(text)
+    for token in (3, 4, 5):  # one token a step: only the n-grams ending at the new one
+        text.append(token)
+        index.propose(text, 2)
+    assert CountingDict.writes - first == 3 * 3 and index.num_indexed == len(text)
+
+
 def test_greedy_acceptance_keeps_drafts_while_they_equal_the_argmax_then_one_of_its_own():
     assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]  # third draft wrong: corrected
     assert accept_greedy([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]  # all kept, plus a bonus
@@ -66,6 +104,45 @@ def test_draft_budget_drafts_alone_not_in_a_full_batch_and_stops_when_drafts_fai
     assert budget.allocate(1, 1, [(2, 0.9)]) == [2]  # never more than the lookup found
     mixed = budget.allocate(4, 4, [(4, 0.9), (4, 0.1), (4, 0.5), (0, 0.9)])
     assert mixed[0] >= mixed[2] >= mixed[1] and mixed[3] == 0  # the likelier drafts first
+
+
+def test_draft_budget_spends_tokens_best_gain_first_until_the_next_one_stops_paying():
+    budget = DraftBudget(max_draft=4, knee_tokens=8, token_cost=0.25)
+    # Two requests, the likelier listed second: it drafts first, and as the step fills (more
+    # decodes already in it) its draft shrinks one token at a time, then goes.
+    got = [budget.allocate(base, base, [(4, 0.3), (4, 0.9)]) for base in range(1, 10)]
+    assert got == [[0, 4]] * 4 + [[0, 3], [0, 2], [0, 1], [0, 0], [0, 0]]
+    assert DraftBudget(4, 8, 0.02).allocate(1, 1, [(4, 0.3), (4, 0.9)]) == [2, 4]
+    assert DraftBudget(4, 8, 0.02).allocate(2, 2, [(4, 0.3), (4, 0.9)]) == [1, 4]
+    assert budget.allocate(1, 1, [(1, 0.9)]) == [1]  # one token found: one drafted
+    # An exact tie between what a draft gives and what it costs is not drafted: with a knee of
+    # 1 and no token cost, 1 + 0.5 tokens in a step of cost 2 equals 1 token a step of cost 3.
+    assert DraftBudget(4, 1.0, 0.0).allocate(2, 1.0, [(1, 0.5)]) == [0]
+
+
+def test_the_acceptance_rate_counts_kept_drafts_over_tested_ones_and_forgets():
+    acceptance = Acceptance()
+    assert acceptance.rate == 1 / 2  # one success in two pseudo-trials
+    acceptance.update(4, 2)  # 2 kept, the 3rd rejected, the 4th never tested: 2 of 3
+    assert (acceptance.successes, acceptance.trials) == (2, 3)
+    assert acceptance.rate == 3 / 5
+    acceptance.update(3, 3)  # all kept: 3 of 3, the past weighed by 0.8
+    assert acceptance.successes == pytest.approx(0.8 * 2 + 3)
+    assert acceptance.trials == pytest.approx(0.8 * 3 + 3)
+    acceptance.update(0, 0)  # no draft: nothing learnt
+    assert acceptance.trials == pytest.approx(0.8 * 3 + 3)
+
+
+def test_sampled_acceptance_keeps_every_sure_draft_then_draws_the_bonus_token():
+    probs = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert accept_sampled([1], probs, torch.Generator().manual_seed(0)) == [1, 3]
+    with pytest.raises(InvalidRequestError, match="1 drafts need 2 rows"):
+        accept_sampled([1], probs[:1], None)
+    # A draft the target gives half its mass: when rejected, the redraw is never that draft.
+    halves = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]])
+    outs = [accept_sampled([0], halves, torch.Generator().manual_seed(seed))
+            for seed in range(40)]
+    assert {tuple(o) for o in outs} == {(0, 2), (1,)}  # kept then the bonus, or replaced by 1
 
 
 # -- lossless, greedy ---------------------------------------------------------------------------
@@ -269,7 +346,6 @@ def _row(params: SamplingParams):
 def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics(tiny):
     from server_helpers import running_server
 
-    from miniinfer.core.errors import InvalidRequestError
     from miniinfer.server import ServerConfig
 
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
