@@ -137,9 +137,11 @@ class DraftBudget:
     of step time still rise. So a lone request drafts freely, a full batch drafts nothing,
     and a request whose drafts keep failing soon stops drafting."""
 
-    max_draft: int = 4
-    knee_tokens: float = 8.0
-    token_cost: float = 0.02
+    # No defaults: the engine's config holds them (num_draft_tokens), and the device's cost
+    # model (engines.speculative.DRAFT_COSTS) the other two.
+    max_draft: int
+    knee_tokens: float
+    token_cost: float
 
     def step_cost(self, num_tokens: int) -> float:
         return max(1.0, num_tokens / self.knee_tokens) + self.token_cost * num_tokens
