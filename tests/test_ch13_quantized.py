@@ -88,6 +88,14 @@ def test_quantized_linears_equal_their_dequantized_dense_product(dtype):
     int8 = Int8Linear(w, compute_dtype=dtype)
     torch.testing.assert_close(int8(x), x @ int8.dequantize().t(), **tol)
     assert (int8.dequantize() - w).abs().max() <= w.abs().max() / 127
+    # Each weight within half a step of its row's scale: the row's largest is code 127.
+    assert ((int8.dequantize() - w).abs() <= 0.51 * int8.scales.float()[:, None]).all()
+    # A bias (Qwen2's projections have one) is added after the product; the shape is the file's.
+    bias = torch.randn(48)
+    for linear, dense in ((Int4Linear(q4, bias, compute_dtype=dtype), q4.dequantize()),
+                          (Int8Linear(w, bias, compute_dtype=dtype), int8.dequantize())):
+        assert linear.out_features == 48
+        torch.testing.assert_close(linear(x), x @ dense.t() + bias, **tol)
 
 
 def test_quantize_model_swaps_every_linear_and_reads_fewer_bytes(tiny):

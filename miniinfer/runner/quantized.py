@@ -153,7 +153,6 @@ class Int4Linear(Linear):
     def __init__(self, weight: Q4_1Weight, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         nn.Module.__init__(self)  # no dense weight: that is the point
-        self.in_features = weight.q.shape[1]
         self.compute_dtype = compute_dtype
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.q.to(torch.int32), 1))
@@ -182,7 +181,6 @@ class Int8Linear(Linear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype = torch.bfloat16) -> None:
         nn.Module.__init__(self)
-        self.in_features = weight.shape[1]
         self.compute_dtype = compute_dtype
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float16).tiny)
