@@ -10,8 +10,8 @@ import torch
 from template import first_difference
 
 from miniinfer import ENGINES, MiniInferError, SamplingParams, make_engine
-from miniinfer.core.sampling import sampling_probs
 from miniinfer.core.errors import InvalidRequestError
+from miniinfer.core.sampling import sampling_probs
 from miniinfer.core.speculative import (
     Acceptance,
     DraftBudget,
