@@ -88,8 +88,11 @@ def _recording_release(calls: list, thread_busy) -> object:
 def test_the_server_releases_the_loading_threads_team_before_its_loop_starts(monkeypatch):
     from miniinfer.server import engine_loop
 
+    from miniinfer.core.config import EngineConfig
+
     idle_engine = SimpleNamespace(has_unfinished_requests=lambda: False,
-                                  kv_cache=SimpleNamespace(block_manager=object()))
+                                  kv_cache=SimpleNamespace(block_manager=object()),
+                                  config=EngineConfig())
     loop = engine_loop.EngineLoop(idle_engine, None, max_waiting=1)
     calls: list = []
     monkeypatch.setattr(engine_loop, "release_openmp_threads",
