@@ -242,10 +242,24 @@ def test_rollback_keeps_the_accepted_drafts_kv_and_frees_the_rejected_blocks(tin
     assert truncated[0][0] == 4 and len(truncated[0][1]) == 1  # block 4 (tokens 16-) freed
     assert manager.num_free_blocks == free_before - 1  # block 3 stays: it holds tokens 12-13
     assert request.draft_ids == [] and (engine.stats.drafted, engine.stats.accepted) == (6, 2)
+    # Two request-steps so far, one of them verified a draft; the request's own acceptance
+    # estimate (what the draft budget reads) counted 2 kept of the 3 tested.
+    assert (engine.stats.request_steps, engine.stats.drafted_steps) == (2, 1)
+    acceptance = engine._drafter(request).acceptance
+    assert (acceptance.successes, acceptance.trials) == (2, 3)
     while engine.has_unfinished_requests():
         engine.step()
     assert request.output_ids == expected  # the K/V kept was right: the rest follows
     assert manager.block_tables == {} and engine.stats.tokens == len(expected)
+    # No more drafts after the first: one request-step a token from then on.
+    assert (engine.stats.request_steps, engine.stats.drafted_steps) == (len(expected) - 2, 1)
+    # A single draft is a drafted step too.
+    one = ForcedDrafts(tiny, block_size=4, num_draft_tokens=6, draft_policy="fixed")
+    one.drafts = {1: [expected[1]]}
+    one.add_request(prompt, params)
+    one.step()
+    one.step()
+    assert (one.stats.drafted, one.stats.accepted, one.stats.drafted_steps) == (1, 1, 1)
 
 
 def test_drafts_shrink_to_the_token_budget_and_give_way_before_a_preemption(tiny):

@@ -86,9 +86,8 @@ def _recording_release(calls: list, thread_busy) -> object:
 
 
 def test_the_server_releases_the_loading_threads_team_before_its_loop_starts(monkeypatch):
-    from miniinfer.server import engine_loop
-
     from miniinfer.core.config import EngineConfig
+    from miniinfer.server import engine_loop
 
     idle_engine = SimpleNamespace(has_unfinished_requests=lambda: False,
                                   kv_cache=SimpleNamespace(block_manager=object()),
