@@ -154,7 +154,13 @@ book-check: book book-browser
 # A bounded soak of the server (issue 68): minutes of mixed plain, streamed and cancelled
 # requests on the tiny model over loopback; fails unless RSS (+32 MiB at most), open file
 # descriptors (+2) and KV blocks in use (0) are flat between a warmed-up start and the end.
-SOAK_SECONDS ?= 180
+# Each preset in turn (issue 79): the plain engine, int4 compiled, speculation, the prefix cache,
+# tensor parallel over 2 processes.
+SOAK_SECONDS ?= 120
+SOAK_PRESETS ?= continuous quantized speculative prefix-cache tensor-parallel
 .PHONY: soak
 soak: setup
-	OMP_NUM_THREADS=1 $(PYTHON) scripts/soak.py --seconds $(SOAK_SECONDS)
+	@for preset in $(SOAK_PRESETS); do \
+	  OMP_NUM_THREADS=1 $(PYTHON) scripts/soak.py --seconds $(SOAK_SECONDS) --engine $$preset \
+	    || exit 1; \
+	done

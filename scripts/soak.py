@@ -13,7 +13,13 @@ flat:
   the allocator's pools, the tokenizer's caches and the worker threads; a leak of a few KB per
   request over thousands of requests shows up here, the allocator's noise does not.
 
+The server runs any engine preset with any settings (issue 79, item 3): ``--engine
+quantized`` (int4 weights, compiled forward), ``--engine speculative`` (drafts, whose blocks a
+cancelled stream must give back too), ``--engine prefix-cache``, ``--engine tensor-parallel``;
+arguments after ``--`` go to ``miniinfer serve`` as they are.
+
     python scripts/soak.py --seconds 180
+    python scripts/soak.py --seconds 120 --engine speculative -- --num-draft-tokens 6
 """
 
 from __future__ import annotations
@@ -141,11 +147,14 @@ def main() -> int:
     parser.add_argument("--rss-slack-mib", type=float, default=32.0)
     parser.add_argument("--fd-slack", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", default="continuous", help="the preset the server runs")
+    parser.add_argument("serve_args", nargs="*", help="more arguments for miniinfer serve")
     args = parser.parse_args()
-    with ServerProcess("tiny", "--max-num-seqs", "16") as server:
+    with ServerProcess("tiny", "--engine", args.engine, "--max-num-seqs", "16",
+                       *args.serve_args) as server:
         pid = server.process.pid
-        print(f"soak: server pid {pid} at {server.url}; warm-up {args.warmup_seconds:g} s",
-              flush=True)
+        print(f"soak: {args.engine} server pid {pid} at {server.url}; warm-up "
+              f"{args.warmup_seconds:g} s", flush=True)
         asyncio.run(load(server.url, args.warmup_seconds, args.concurrency, args.seed + 1))
         wait_idle(server.url)
         start = snapshot(pid, server.url)
@@ -162,7 +171,7 @@ def main() -> int:
           f"streamed, {counts.cancelled} cancelled after their first chunk), {counts.failed} "
           f"failed; health {'200' if healthy else 'not 200'}")
     growth = end.rss_mib - start.rss_mib
-    print(f"soak: RSS {growth:+.1f} MiB (bound +{args.rss_slack_mib:g}), fds "
+    print(f"soak ({args.engine}): RSS {growth:+.1f} MiB (bound +{args.rss_slack_mib:g}), fds "
           f"{end.fds - start.fds:+d} (bound +{args.fd_slack}), KV blocks in use "
           f"{start.kv_blocks_in_use} -> {end.kv_blocks_in_use} (bound 0)")
     problems = [what for what, bad in (
@@ -172,9 +181,9 @@ def main() -> int:
         ("requests failed", counts.failed), ("health is not 200", not healthy),
         ("no requests ran", total == 0)) if bad]
     if problems:
-        print(f"soak: FAILED: {', '.join(problems)}", file=sys.stderr)
+        print(f"soak ({args.engine}): FAILED: {', '.join(problems)}", file=sys.stderr)
         return 1
-    print("soak: flat")
+    print(f"soak ({args.engine}): flat")
     return 0
 
 

@@ -62,6 +62,7 @@ def running_server(lm, **options) -> Iterator[RunningServer]:
     finally:
         server.should_exit = True
         thread.join(30)
+        server.engine_loop.engine.close()  # as serve does: a tensor-parallel rank ends too
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> bool:
