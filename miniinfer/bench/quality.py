@@ -182,7 +182,8 @@ def quality_rows(lm, window: int = 512, new_tokens: int = 32,
             agree = total = len(encoded) * new_tokens
         else:
             agree, total = top1_agreement(dense, model, encoded, new_tokens, continuations)
-        # The dtype the linears compute in (the quantized ones: bf16 activations in the op).
+        # The dtype the linears compute in (the quantized ones: int8 activations in chapter 13's
+        # kernel, or bf16 in PyTorch's ops where the kernel does not run).
         compute = getattr(model.lm_head, "compute_dtype", lm.dtype)
         rows.append({"model": lm.name, "weights": weights, "compute_dtype": dtype_name(compute),
                      "dtype": dtype_name(lm.dtype), "weight_bytes": weight_bytes(model),

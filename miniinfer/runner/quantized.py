@@ -5,7 +5,12 @@ the memory bandwidth: fewer bytes per weight, a lower floor. SmolLM2-135M ships 
 GGUF: each row of a matrix is cut into blocks of 32 weights, and each block stores a scale
 ``d`` and a minimum ``m`` (fp16 each) and 32 four-bit codes ``q`` in 0..15, the weight being
 ``w = d * q + m``: groupwise asymmetric int4, group 32, 5 bits a weight. transformers
-de-quantizes that file to fp32 at load (4 bytes a weight); here the blocks are read back:
+de-quantizes that file to fp32 at load (4 bytes a weight); here the blocks are read back,
+and multiplied by chapter 13's own kernel (:mod:`~miniinfer.core.kernels.cpu_quantized`) where
+it runs (x86 with AVX2): the file's 20-byte blocks as they are, the activations quantized to
+int8 per block of 32 in the kernel, integer dot products, each block's scales applied once;
+``compute_dtype=torch.int8`` names that path. Elsewhere, or when asked for another
+``compute_dtype``, PyTorch's weight-only ops run instead:
 
 - :class:`Int4Linear` runs PyTorch's CPU int4 matmul (``_weight_int4pack_mm_for_cpu``),
   which computes with ``w = (q - 8) * scale + zero`` per group. With ``scale = d`` and
@@ -23,9 +28,9 @@ up, a row per token, so it stays as HF loads it; the LM head, a third of SmolLM2
 runs as :class:`Int8Linear` in both variants (8 bits, as the file ships it, but per channel
 where the file has a scale per 32 weights: the op takes one scale per output row).
 
-Both ops are slow with fp32 activations on a CPU (the int4 one by 30-50x: a plain loop, where
-bf16 has vectorised kernels), so the linears compute in ``compute_dtype`` (bf16 by default)
-and hand back the model's dtype; the rest of the model (norms, RoPE, attention) stays fp32.
+PyTorch's ops are slow with fp32 activations on a CPU (the int4 one by 30-50x: a plain loop,
+where bf16 has vectorised kernels), so off the kernel the linears compute in bf16 and hand back
+the model's dtype; the rest of the model (norms, RoPE, attention) stays fp32 either way.
 A model without a shipped GGUF (the tiny test model, a random-weight config) gets its int4
 blocks by Q4_1's own rule (:func:`q4_1_quantize`, gguf's ``quantize_blocks``).
 """
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core.kernels import cpu_quantized
 from ..core.models import LoadedModel
 from .model import Linear, Model, load, swap_linears
 
@@ -79,6 +85,17 @@ class Q4_1Weight:
 
     def rows(self, index: torch.Tensor) -> Q4_1Weight:
         return Q4_1Weight(self.q[index], self.d[index], self.m[index])
+
+    def file_blocks(self) -> torch.Tensor:
+        """The blocks as the file stores them, ``[out, in / 32 * 20]`` uint8: per block fp16
+        ``d``, fp16 ``m``, 16 bytes whose low nibbles are codes 0-15 and high nibbles 16-31
+        (the inverse of :func:`q4_1_blocks`)."""
+        rows, groups = self.d.shape
+        halves = [t.half().contiguous().view(torch.uint8).view(rows, groups, 2)
+                  for t in (self.d, self.m)]
+        codes = self.q.view(rows, groups, GROUP)
+        nibbles = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)
+        return torch.cat([*halves, nibbles], dim=-1).reshape(rows, -1).contiguous()
 
     @staticmethod
     def stack(weights: list[Q4_1Weight]) -> Q4_1Weight:
@@ -145,46 +162,75 @@ def _flat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
 
 
+def default_compute_dtype(in_features: int = GROUP) -> torch.dtype:
+    """int8 (activations quantized per block in chapter 13's kernel) where the kernel runs and
+    a row is whole blocks; else bf16 in PyTorch's weight-only ops."""
+    if in_features % GROUP == 0 and cpu_quantized.load() is None:
+        return torch.int8
+    return torch.bfloat16
+
+
+def _check_kernel(in_features: int) -> None:
+    reason = cpu_quantized.load()
+    if reason is None and in_features % GROUP:
+        reason = f"in_features {in_features} is not a whole number of {GROUP}-weight blocks"
+    if reason is not None:
+        raise ValueError(f"compute_dtype=torch.int8 needs chapter 13's kernel: {reason}")
+
+
 class Int4Linear(Linear):
-    """``y = x W^T + b`` with ``W`` as Q4_1 blocks, through ``_weight_int4pack_mm_for_cpu``
-    (CPU only). ``compute_dtype``: the activations' dtype inside the op (fp32: the file's
-    weights exactly, slowly; bf16: ``d`` and ``m + 8d`` rounded to bf16, fast)."""
+    """``y = x W^T + b`` with ``W`` as Q4_1 blocks (CPU only). ``compute_dtype``: what the
+    activations are inside the product. ``torch.int8`` (the default where it runs): chapter
+    13's kernel over the file's blocks. Otherwise ``_weight_int4pack_mm_for_cpu`` in that dtype
+    (fp32: the file's weights exactly, slowly; bf16: ``d`` and ``m + 8d`` rounded to bf16)."""
 
     def __init__(self, weight: Q4_1Weight, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)  # no dense weight: that is the point
-        self.compute_dtype = compute_dtype
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weight.q.to(torch.int32), 1))
-        # [in / 32, out, 2]: per group and output row, (scale, zero) = (d, m + 8d).
-        scales_and_zeros = torch.stack([weight.d, weight.m + 8 * weight.d], dim=-1)
-        self.register_buffer("scales_and_zeros",
-                             scales_and_zeros.transpose(0, 1).contiguous().to(compute_dtype))
+        in_features = weight.q.shape[1]
+        self.compute_dtype = compute_dtype or default_compute_dtype(in_features)
+        if self.compute_dtype == torch.int8:
+            _check_kernel(in_features)
+            self.register_buffer("blocks", weight.file_blocks())
+        else:
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                weight.q.to(torch.int32), 1))
+            # [in / 32, out, 2]: per group and output row, (scale, zero) = (d, m + 8d).
+            scales_and_zeros = torch.stack([weight.d, weight.m + 8 * weight.d], dim=-1)
+            self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1)
+                                 .contiguous().to(self.compute_dtype))
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
     def out_features(self) -> int:
-        return self.packed.shape[0]
+        return (self.blocks if self.compute_dtype == torch.int8 else self.packed).shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _flat(x, self.compute_dtype), self.packed, GROUP, self.scales_and_zeros)
+        if self.compute_dtype == torch.int8:
+            y = cpu_quantized.q4_1_linear(_flat(x, torch.float32), self.blocks)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                _flat(x, self.compute_dtype), self.packed, GROUP, self.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(Linear):
-    """``y = x W^T + b`` with ``W = scale * q`` per output row, q int8, through
-    ``_weight_int8pack_mm``. The scale is rounded to ``compute_dtype`` before the codes are
-    chosen, so the codes fit the scale the op uses."""
+    """``y = x W^T + b`` with ``W = scale * q`` per output row, q int8 in -127..127.
+    ``compute_dtype`` as :class:`Int4Linear`'s: ``torch.int8``, chapter 13's kernel (fp32
+    scales); otherwise ``_weight_int8pack_mm`` in that dtype, the scale rounded to it before
+    the codes are chosen, so the codes fit the scale the op uses."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> None:
+                 compute_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype or default_compute_dtype(weight.shape[1])
+        if self.compute_dtype == torch.int8:
+            _check_kernel(weight.shape[1])
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float16).tiny)
-        scale = scale.to(compute_dtype)
+        scale = scale.to(torch.float32 if self.compute_dtype == torch.int8
+                         else self.compute_dtype)
         self.register_buffer("scales", scale)
         self.register_buffer("codes", torch.round(w / scale.float()[:, None])
                              .clamp(-127, 127).to(torch.int8))
@@ -198,8 +244,11 @@ class Int8Linear(Linear):
         return self.codes.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.compute_dtype), self.codes,
-                                               self.scales)
+        if self.compute_dtype == torch.int8:
+            y = cpu_quantized.int8_linear(_flat(x, torch.float32), self.codes, self.scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.compute_dtype), self.codes,
+                                                   self.scales)
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
@@ -215,7 +264,7 @@ def int4_blocks(lm: LoadedModel) -> dict[str, Q4_1Weight] | None:
 
 
 def quantize_model(model: Model, bits: str, blocks: dict[str, Q4_1Weight] | None = None,
-                   compute_dtype: torch.dtype = torch.bfloat16) -> Model:
+                   compute_dtype: torch.dtype | None = None) -> Model:
     """``model`` with its linears swapped: ``bits="int8"`` every linear :class:`Int8Linear`;
     ``"int4"`` every body linear :class:`Int4Linear` from ``blocks`` (HF names, as
     :func:`read_q4_1` gives; None: :func:`q4_1_quantize` of the fp32 weights) and the LM head
@@ -243,8 +292,9 @@ def quantize_model(model: Model, bits: str, blocks: dict[str, Q4_1Weight] | None
 _QUANTIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def quantized(lm: LoadedModel, bits: str, compute_dtype: torch.dtype = torch.bfloat16) -> Model:
-    """``lm``'s model with ``bits`` weights (see :func:`quantize_model`), built once."""
+def quantized(lm: LoadedModel, bits: str, compute_dtype: torch.dtype | None = None) -> Model:
+    """``lm``'s model with ``bits`` weights (see :func:`quantize_model`; ``compute_dtype``
+    None: each linear's default, chapter 13's kernel where it runs), built once."""
     if lm.device.type != "cpu":
         raise ValueError(f"quantized weights run on a CPU here (PyTorch's CPU weight-only "
                          f"kernels); {lm.name!r} is on {lm.device}")

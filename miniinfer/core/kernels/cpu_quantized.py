@@ -1,0 +1,121 @@
+"""Chapter 13's kernel: Q4_1 and int8 linears with integer dot products on the CPU.
+
+``cpu_quantized.cpp`` multiplies the weights as the file ships them (Q4_1 blocks of 32: fp16
+``d`` and ``m``, 32 four-bit codes) or as int8 codes with a scale per output row, by the
+activations quantized in the kernel to int8 per block of 32. It never makes a float weight:
+the products are integer dot products, and each block's scales are applied once. It is built
+like chapter 11's kernel (:mod:`.cpu_decode`): with ``torch.utils.cpp_extension`` on first use,
+cached by torch, registered as ``torch.ops.miniinfer.q4_1_linear`` and ``int8_linear`` with
+fakes, so a compiled graph calls each as one node. Its AVX2 and AVX-512 VNNI paths are in one
+build and chosen when called (``isa``: ``"auto"``, or one path by name, for tests).
+
+:func:`quantize_activations` and :func:`reference_q4_1_linear` / :func:`reference_int8_linear`
+are the kernel's specification in PyTorch: the same codes and scales, the sums taken exactly
+(float64), so that the kernel can be held to them up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..errors import one_line
+from .cpu_decode import SOURCE as DECODE_SOURCE
+from .cpu_decode import remove_stale_lock
+
+SOURCE = DECODE_SOURCE.with_name("cpu_quantized.cpp")
+BLOCK = 32  # activations and weights per block
+ISAS = {"auto": 0, "avx2": 1, "avx512-vnni": 2}
+
+
+@functools.cache
+def load() -> str | None:
+    """Build (or find already built) and register the ops; None when they are ready, else
+    why they are not."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the quantized kernel is written for x86-64 CPUs; this is {platform.machine()}"
+    try:
+        from pathlib import Path
+
+        from torch.utils import cpp_extension
+
+        name = "miniinfer_cpu_quantized"
+        remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+        # No -march: each path carries its own target attribute, so one build serves any x86.
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
+        return one_line(error)
+    if int(torch.ops.miniinfer.quantized_isas()) == 0:
+        return "the quantized kernel needs AVX2, FMA and F16C; this CPU lacks them"
+
+    @torch.library.register_fake("miniinfer::q4_1_linear")
+    def _(x, blocks, isa=0):
+        return x.new_empty(x.shape[0], blocks.shape[0])
+
+    @torch.library.register_fake("miniinfer::int8_linear")
+    def _(x, codes, scales, isa=0):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    return None
+
+
+def instruction_sets() -> list[str]:
+    """The paths this CPU can run (empty where the kernel cannot be built or run)."""
+    if load() is not None:
+        return []
+    return ["avx2", "avx512-vnni"][:int(torch.ops.miniinfer.quantized_isas())]
+
+
+def q4_1_linear(x: torch.Tensor, blocks: torch.Tensor, isa: str = "auto") -> torch.Tensor:
+    """``x`` ``[tokens, in]`` fp32 times the Q4_1 weight ``blocks`` ``[out, in / 32 * 20]``
+    (uint8, the file's bytes a row at a time), transposed: ``[tokens, out]``."""
+    return torch.ops.miniinfer.q4_1_linear(x, blocks, ISAS[isa])
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                isa: str = "auto") -> torch.Tensor:
+    """``x`` ``[tokens, in]`` fp32 times ``codes * scales[:, None]`` (int8 ``[out, in]``, fp32
+    ``[out]``), transposed."""
+    return torch.ops.miniinfer.int8_linear(x, codes, scales, ISAS[isa])
+
+
+# -- the specification -----------------------------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block of 32 of ``x`` ``[tokens, in]`` as int8 codes and one scale: ``scale = max
+    |x| / 127``, ``code = round(x * (127 / max |x|))`` (ties to even; fp32 arithmetic, as the
+    kernel's). Returns the codes ``[tokens, in]`` and scales ``[tokens, in / 32]``."""
+    blocks = x.float().reshape(x.shape[0], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # A true division, as the kernel's (Python's ``127.0 / amax`` is 127 times a reciprocal).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    codes = torch.round(blocks * inv)
+    return codes.reshape(x.shape).to(torch.int8), (amax / 127.0).squeeze(-1)
+
+
+def reference_q4_1_linear(x: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                          q: torch.Tensor) -> torch.Tensor:
+    """What :func:`q4_1_linear` computes, exactly: blocks ``d * q + m`` (``d``, ``m`` ``[out,
+    in / 32]``, ``q`` ``[out, in]`` codes 0..15) against the quantized activations."""
+    codes, scales = quantize_activations(x)
+    tokens, out = x.shape[0], q.shape[0]
+    c = codes.double().reshape(tokens, 1, -1, BLOCK)
+    integer = (c * q.double().reshape(1, out, -1, BLOCK)).sum(-1)  # [tokens, out, blocks]
+    sums = c.sum(-1)  # [tokens, 1, blocks]
+    s = scales.double()[:, None, :]
+    return ((d.double() * s * integer) + (m.double() * s * sums)).sum(-1).float()
+
+
+def reference_int8_linear(x: torch.Tensor, codes: torch.Tensor,
+                          scales: torch.Tensor) -> torch.Tensor:
+    """What :func:`int8_linear` computes, exactly."""
+    c, s = quantize_activations(x)
+    tokens, out = x.shape[0], codes.shape[0]
+    integer = (c.double().reshape(tokens, 1, -1, BLOCK)
+               * codes.double().reshape(1, out, -1, BLOCK)).sum(-1)
+    return (scales.double() * (s.double()[:, None, :] * integer).sum(-1)).float()

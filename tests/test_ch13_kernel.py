@@ -1,0 +1,161 @@
+"""Chapter 13's kernel: Q4_1 and int8 linears with integer dot products (issue 80).
+
+The kernel is held to its specification in PyTorch (the activations quantized per block of 32
+exactly as the kernel does, the sums taken in float64) up to fp32 rounding, on every
+instruction path this CPU has, over the row counts a step feeds it (1-16 and past a tile) and
+ragged output widths; and to the de-quantize-then-matmul product within the error that
+quantizing the activations costs. Where the kernel cannot run, it says why."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from miniinfer.core.kernels import cpu_quantized
+from miniinfer.runner.quantized import (
+    Int4Linear,
+    Int8Linear,
+    q4_1_blocks,
+    q4_1_quantize,
+)
+
+REASON = cpu_quantized.load()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the kernel does not run: {REASON}")
+PATHS = ["avx2", "avx512-vnni"]
+
+
+def _path(isa: str) -> str:
+    if isa not in cpu_quantized.instruction_sets():
+        pytest.skip(f"this CPU has no {isa} (it has {cpu_quantized.instruction_sets()})")
+    return isa
+
+
+def _bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """fp32 rounding of a sum of products: a few ulps of the sum of the terms' magnitudes."""
+    return 1e-5 * (x.abs() @ dense.abs().t()) + 1e-6
+
+
+def _rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """What quantizing the activations may cost against the float product: each code is
+    within half a step of its value (a step is its block's scale, largest / 127)."""
+    _, scales = cpu_quantized.quantize_activations(x)
+    half_step = (scales / 2).repeat_interleave(cpu_quantized.BLOCK, 1)
+    return 1.001 * half_step @ dense.abs().t() + _bound(x, dense)
+
+
+SHAPES = [(1, 32, 1), (1, 576, 40), (2, 96, 3), (3, 64, 17), (4, 1536, 8), (5, 64, 5),
+          (9, 160, 33), (16, 576, 24), (17, 64, 3)]
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+def test_q4_1_kernel_equals_its_specification(isa, rows, in_features, out_features):
+    torch.manual_seed(rows * 1000 + in_features + out_features)
+    x = torch.randn(rows, in_features) * torch.rand(rows, 1) * 4
+    x[0, :32] = 0  # an all-zero activation block: scale 0, codes 0
+    weight = q4_1_quantize(torch.randn(out_features, in_features))
+    got = cpu_quantized.q4_1_linear(x, weight.file_blocks(), _path(isa))
+    spec = cpu_quantized.reference_q4_1_linear(x, weight.d, weight.m, weight.q)
+    dense = weight.dequantize()
+    assert ((got - spec).abs() <= _bound(x, dense)).all()
+    # Against the float product: within what the activations' rounding costs.
+    assert ((got - x @ dense.t()).abs() <= _rounding_bound(x, dense)).all()
+
+
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), SHAPES)
+def test_int8_kernel_equals_its_specification(isa, rows, in_features, out_features):
+    torch.manual_seed(rows * 1000 + in_features + out_features)
+    x = torch.randn(rows, in_features)
+    codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    codes[0, :7] = torch.tensor([-127, 127, 0, -1, 1, -127, 127], dtype=torch.int8)
+    scales = torch.rand(out_features) + 0.01
+    got = cpu_quantized.int8_linear(x, codes, scales, _path(isa))
+    spec = cpu_quantized.reference_int8_linear(x, codes, scales)
+    dense = codes.float() * scales[:, None]
+    assert ((got - spec).abs() <= _bound(x, dense)).all()
+    assert ((got - x @ dense.t()).abs() <= _rounding_bound(x, dense)).all()
+
+
+def test_activation_codes_round_to_nearest_and_keep_the_largest_at_127():
+    x = torch.tensor([[1.0, -2.0, 0.5, 127.0 / 254] + [0.0] * 28])
+    codes, scales = cpu_quantized.quantize_activations(x)
+    assert scales.tolist() == [[pytest.approx(2.0 / 127)]]
+    assert codes[0, :4].tolist() == [64, -127, 32, 32]  # 63.5 and 31.75 round up; the max is 127
+
+
+def test_the_files_blocks_round_trip():
+    weight = q4_1_quantize(torch.randn(6, 96))
+    raw = weight.file_blocks()
+    assert raw.shape == (6, 3 * 20) and raw.dtype == torch.uint8
+    back = q4_1_blocks(raw.numpy())
+    assert torch.equal(back.q, weight.q) and torch.equal(back.d, weight.d)
+    assert torch.equal(back.m, weight.m)
+
+
+def test_the_linears_run_on_the_kernel_by_default_with_a_bias():
+    torch.manual_seed(0)
+    w, x, bias = torch.randn(24, 64), torch.randn(3, 2, 64), torch.randn(24)
+    int4 = Int4Linear(q4_1_quantize(w), bias)
+    int8 = Int8Linear(w, bias)
+    assert int4.compute_dtype == int8.compute_dtype == torch.int8
+    assert int4.out_features == int8.out_features == 24
+    assert not hasattr(int4, "packed") and int4.blocks.dtype == torch.uint8
+    for linear, dense in ((int4, q4_1_quantize(w).dequantize()), (int8, int8.dequantize())):
+        y = linear(x)
+        assert y.shape == (3, 2, 24) and y.dtype == torch.float32
+        flat = x.reshape(6, 64)
+        assert ((y.reshape(6, 24) - (flat @ dense.t() + bias)).abs()
+                <= _rounding_bound(flat, dense)).all()
+
+
+@pytest.mark.parametrize(("call", "words"), [
+    (lambda: cpu_quantized.q4_1_linear(torch.randn(2, 64), torch.zeros(3, 41, dtype=torch.uint8)),
+     "blocks must be"),
+    (lambda: cpu_quantized.q4_1_linear(torch.randn(2, 32), torch.zeros(3, 40, dtype=torch.uint8)),
+     "x has 32 features; the weight takes 64"),
+    (lambda: cpu_quantized.int8_linear(torch.randn(2, 48), torch.zeros(3, 48, dtype=torch.int8),
+                                       torch.ones(3)), "multiple of 32, got 48"),
+    (lambda: cpu_quantized.int8_linear(torch.randn(2, 64).double(),
+                                       torch.zeros(3, 64, dtype=torch.int8), torch.ones(3)),
+     "fp32"),
+    (lambda: cpu_quantized.int8_linear(torch.randn(2, 64), torch.zeros(3, 64, dtype=torch.int8),
+                                       torch.ones(4)), "scales must be fp32 [out_features]"),
+])
+def test_bad_shapes_and_dtypes_are_refused_by_name(call, words):
+    with pytest.raises(RuntimeError, match=re.escape(words)):
+        call()
+
+
+def test_a_path_the_cpu_lacks_is_refused_naming_it():
+    if "avx512-vnni" in cpu_quantized.instruction_sets():
+        pytest.skip("this CPU has AVX-512 VNNI")
+    with pytest.raises(RuntimeError, match="AVX-512 VNNI was asked for; this CPU lacks it"):
+        cpu_quantized.q4_1_linear(torch.randn(1, 32), torch.zeros(1, 20, dtype=torch.uint8),
+                                  "avx512-vnni")
+
+
+def test_without_the_kernel_int8_compute_is_refused_and_the_default_falls_back(monkeypatch):
+    from miniinfer.runner import quantized
+
+    monkeypatch.setattr(cpu_quantized, "load", lambda: "this CPU lacks AVX2")
+    with pytest.raises(ValueError, match="needs chapter 13's kernel: this CPU lacks AVX2"):
+        Int8Linear(torch.randn(4, 64), compute_dtype=torch.int8)
+    assert quantized.default_compute_dtype() == torch.bfloat16
+    assert Int4Linear(q4_1_quantize(torch.randn(16, 64))).compute_dtype == torch.bfloat16
+
+
+def test_the_ops_trace_as_one_node_each_with_their_fakes():
+    """``torch.library.opcheck``: schema, fake (meta) and real agree; and a compiled function
+    calls each op as itself (no graph break)."""
+    weight = q4_1_quantize(torch.randn(8, 64))
+    x = torch.randn(3, 64)
+    codes, scales = torch.randint(-127, 128, (8, 64), dtype=torch.int8), torch.rand(8)
+    for op, args in ((torch.ops.miniinfer.q4_1_linear, (x, weight.file_blocks(), 0)),
+                     (torch.ops.miniinfer.int8_linear, (x, codes, scales, 0))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda a: cpu_quantized.q4_1_linear(a, weight.file_blocks()),
+                             fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), cpu_quantized.q4_1_linear(x, weight.file_blocks()))
