@@ -15,10 +15,11 @@
 // computed once per row, not once per output. For int8 weights the signs move onto the
 // activations (|w| times sign(w) c), as `maddubs` wants one unsigned operand.
 //
-// Each weight block is read once for up to four rows of x (a batch's decodes or a
-// verification's k + 1 tokens). Threads take ranges of output rows. The AVX2 and the AVX-512
-// paths are compiled into one library with per-function target attributes and chosen when
-// called, so one build runs on any x86 CPU with AVX2 (and says so where there is none).
+// The loops (cpu_quantized_tiles.h) work in tiles of four output rows by two rows of x (a
+// batch's decodes, a verification's k + 1 tokens): a weight block is read once for both rows.
+// Threads take ranges of output rows. The AVX2 and the AVX-512 VNNI loops are compiled into one
+// library, each under its own target, and chosen when called, so one build runs on any x86
+// CPU with AVX2 (and says so where there is none).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,13 +30,13 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 32;       // weights (and activations) per block
 constexpr int64_t kQ4_1Bytes = 20;   // fp16 d, fp16 m, 16 bytes of codes
-constexpr int64_t kRowTile = 4;      // rows of x that share one read of a weight block
 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -63,14 +64,6 @@ struct QuantizedActivations {
   std::vector<float> scales;   // [M, K / 32]
   std::vector<float> sums;     // [M, K / 32]
 };
-
-__attribute__((target("avx2,fma,f16c")))
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // One block of 32 floats to codes: scale = max|x| / 127, code = round-to-nearest-even(x *
 // (127 / max|x|)), as the Python reference (cpu_quantized.quantize_activations) computes it.
@@ -120,187 +113,33 @@ QuantizedActivations quantize(const float* x, int64_t M, int64_t K) {
   return a;
 }
 
-// -- AVX2 ----------------------------------------------------------------------------------------
+// -- the inner loops, once per instruction set -----------------------------------------------------
 
-// A Q4_1 block's 32 codes as bytes in weight order: low nibbles, then high nibbles.
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i q4_codes(const uint8_t* block) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-}
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+constexpr bool kVnni = false;
+#include "cpu_quantized_tiles.h"
+}  // namespace avx2
+#pragma GCC pop_options
 
-__attribute__((target("avx2,fma,f16c")))
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return _cvtsh_ss(bits);
-}
-
-// 8 int32 partial sums of unsigned bytes u times signed bytes s.
-__attribute__((target("avx2,fma,f16c")))
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c")))
-void q4_1_tile_avx2(const QuantizedActivations& a, const uint8_t* w, int64_t nb, int64_t K,
-                    int64_t row0, float* out[R]) {
-  __m256 acc[R];
-  float minimum[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); minimum[r] = 0.0f; }
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* block = w + b * kQ4_1Bytes;
-    const float d = half_at(block), m = half_at(block + 2);
-    const __m256i q = q4_codes(block);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * nb + b;
-      const __m256i c = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.codes.data() + (row0 + r) * K + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, c)),
-                               _mm256_set1_ps(d * a.scales[i]), acc[r]);
-      minimum[r] += m * a.sums[i];
-    }
-  }
-  for (int r = 0; r < R; ++r) *out[r] = hsum(acc[r]) + minimum[r];
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c")))
-void int8_tile_avx2(const QuantizedActivations& a, const int8_t* w, float scale, int64_t nb,
-                    int64_t K, int64_t row0, float* out[R]) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    const __m256i magnitude = _mm256_sign_epi8(q, q);
-    for (int r = 0; r < R; ++r) {
-      const __m256i c = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.codes.data() + (row0 + r) * K + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(magnitude, _mm256_sign_epi8(c, q))),
-                               _mm256_set1_ps(a.scales[(row0 + r) * nb + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) *out[r] = scale * hsum(acc[r]);
-}
-
-// -- AVX-512 with VNNI: two blocks a step, one dpbusd for each ----------------------------------
-
-#define AVX512 "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c"
-
-__attribute__((target(AVX512)))
-inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-// Two consecutive blocks' scales, the first's in lanes 0-7 and the second's in 8-15.
-__attribute__((target(AVX512)))
-inline __m512 pair(float first, float second) {
-  return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(first), _mm512_set1_ps(second));
-}
-
-template <int R>
-__attribute__((target(AVX512)))
-void q4_1_tile_avx512(const QuantizedActivations& a, const uint8_t* w, int64_t nb, int64_t K,
-                      int64_t row0, float* out[R]) {
-  __m512 acc[R];
-  __m256 tail[R];
-  float minimum[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps(); tail[r] = _mm256_setzero_ps(); minimum[r] = 0.0f;
-  }
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    const uint8_t* first = w + b * kQ4_1Bytes;
-    const uint8_t* second = first + kQ4_1Bytes;
-    const float d0 = half_at(first), m0 = half_at(first + 2);
-    const float d1 = half_at(second), m1 = half_at(second + 2);
-    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(q4_codes(first)),
-                                         q4_codes(second), 1);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * nb + b;
-      const __m512i c = _mm512_loadu_si512(a.codes.data() + (row0 + r) * K + b * kBlock);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, c);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                               pair(d0 * a.scales[i], d1 * a.scales[i + 1]), acc[r]);
-      minimum[r] += m0 * a.sums[i] + m1 * a.sums[i + 1];
-    }
-  }
-  if (b < nb) {  // an odd number of blocks: the last one 256 bits wide
-    const uint8_t* block = w + b * kQ4_1Bytes;
-    const float d = half_at(block), m = half_at(block + 2);
-    const __m256i q = q4_codes(block);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * nb + b;
-      const __m256i c = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.codes.data() + (row0 + r) * K + b * kBlock));
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, c);
-      tail[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * a.scales[i]));
-      minimum[r] += m * a.sums[i];
-    }
-  }
-  for (int r = 0; r < R; ++r) *out[r] = hsum512(acc[r]) + hsum(tail[r]) + minimum[r];
-}
-
-template <int R>
-__attribute__((target(AVX512)))
-void int8_tile_avx512(const QuantizedActivations& a, const int8_t* w, float scale, int64_t nb,
-                      int64_t K, int64_t row0, float* out[R]) {
-  __m512 acc[R];
-  __m256 tail[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm512_setzero_ps(); tail[r] = _mm256_setzero_ps(); }
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    const __m512i q = _mm512_loadu_si512(w + b * kBlock);
-    const __m512i magnitude = _mm512_abs_epi8(q);
-    const __mmask64 negative = _mm512_movepi8_mask(q);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * nb + b;
-      const __m512i c = _mm512_loadu_si512(a.codes.data() + (row0 + r) * K + b * kBlock);
-      const __m512i signed_c = _mm512_mask_sub_epi8(c, negative, _mm512_setzero_si512(), c);
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_c);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), pair(a.scales[i], a.scales[i + 1]),
-                               acc[r]);
-    }
-  }
-  if (b < nb) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    const __m256i magnitude = _mm256_sign_epi8(q, q);
-    for (int r = 0; r < R; ++r) {
-      const int64_t i = (row0 + r) * nb + b;
-      const __m256i c = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(a.codes.data() + (row0 + r) * K + b * kBlock));
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude,
-                                              _mm256_sign_epi8(c, q));
-      tail[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(a.scales[i]));
-    }
-  }
-  for (int r = 0; r < R; ++r) *out[r] = scale * (hsum512(acc[r]) + hsum(tail[r]));
-}
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")
+namespace avx512_vnni {
+constexpr bool kVnni = true;
+#include "cpu_quantized_tiles.h"
+}  // namespace avx512_vnni
+#pragma GCC pop_options
 
 // -- the ops ---------------------------------------------------------------------------------------
 
-// Calls tile(R, row0, outputs) for each output row n, over rows of x in tiles of up to 4.
-template <typename Tile>
-void over_outputs(int64_t M, int64_t N, float* y, Tile tile) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      for (int64_t row0 = 0; row0 < M; row0 += kRowTile) {
-        float* out[kRowTile];
-        const int64_t rows = std::min(kRowTile, M - row0);
-        for (int64_t r = 0; r < rows; ++r) out[r] = y + (row0 + r) * N + n;
-        tile(rows, n, row0, out);
-      }
-    }
+// Threads take ranges of output rows, whole tiles of four.
+template <typename Outputs>
+void over_outputs(int64_t N, Outputs outputs) {
+  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
+    outputs(4 * begin, std::min(N, 4 * end));
   });
 }
-
-#define DISPATCH_ROWS(rows, call) \
-  switch (rows) {                 \
-    case 1: call(1); break;       \
-    case 2: call(2); break;       \
-    case 3: call(3); break;       \
-    default: call(4); break;      \
-  }
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
@@ -322,14 +161,13 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t is
   if (M == 0 || N == 0) return y;
   const QuantizedActivations a = quantize(x.data_ptr<float>(), M, K);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
-  over_outputs(M, N, y.data_ptr<float>(), [&](int64_t rows, int64_t n, int64_t row0,
-                                               float** out) {
-    const uint8_t* row = w + n * nb * kQ4_1Bytes;
-#define Q4(R)                                                                    \
-  (chosen == kAvx512Vnni ? q4_1_tile_avx512<R>(a, row, nb, K, row0, out)         \
-                         : q4_1_tile_avx2<R>(a, row, nb, K, row0, out))
-    DISPATCH_ROWS(rows, Q4)
-#undef Q4
+  float* out = y.data_ptr<float>();
+  over_outputs(N, [&](int64_t n0, int64_t n1) {
+    if (chosen == kAvx512Vnni) {
+      avx512_vnni::q4_1_outputs(a, w, nb, M, n0, n1, out, N);
+    } else {
+      avx2::q4_1_outputs(a, w, nb, M, n0, n1, out, N);
+    }
   });
   return y;
 }
@@ -341,7 +179,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat &&
                   scales.size(0) == codes.size(0) && scales.is_contiguous(),
               "scales must be fp32 [out_features]");
-  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1), nb = K / kBlock;
+  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
   check_x(x, K);
   const Isa chosen = choose(isa);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -349,14 +187,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   const QuantizedActivations a = quantize(x.data_ptr<float>(), M, K);
   const int8_t* w = codes.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  over_outputs(M, N, y.data_ptr<float>(), [&](int64_t rows, int64_t n, int64_t row0,
-                                               float** out) {
-    const int8_t* row = w + n * K;
-#define I8(R)                                                                    \
-  (chosen == kAvx512Vnni ? int8_tile_avx512<R>(a, row, s[n], nb, K, row0, out)   \
-                         : int8_tile_avx2<R>(a, row, s[n], nb, K, row0, out))
-    DISPATCH_ROWS(rows, I8)
-#undef I8
+  float* out = y.data_ptr<float>();
+  over_outputs(N, [&](int64_t n0, int64_t n1) {
+    if (chosen == kAvx512Vnni) {
+      avx512_vnni::int8_outputs(a, w, s, K, M, n0, n1, out, N);
+    } else {
+      avx2::int8_outputs(a, w, s, K, M, n0, n1, out, N);
+    }
   });
   return y;
 }

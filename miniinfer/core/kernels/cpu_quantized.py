@@ -17,6 +17,7 @@ are the kernel's specification in PyTorch: the same codes and scales, the sums t
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import torch
 
@@ -25,6 +26,7 @@ from .cpu_decode import SOURCE as DECODE_SOURCE
 from .cpu_decode import remove_stale_lock
 
 SOURCE = DECODE_SOURCE.with_name("cpu_quantized.cpp")
+TILES = SOURCE.with_name("cpu_quantized_tiles.h")  # the inner loops, included once per ISA
 BLOCK = 32  # activations and weights per block
 ISAS = {"auto": 0, "avx2": 1, "avx512-vnni": 2}
 
@@ -42,7 +44,9 @@ def load() -> str | None:
 
         from torch.utils import cpp_extension
 
-        name = "miniinfer_cpu_quantized"
+        # One build per version of the sources (torch's cache would not see the header change).
+        digest = hashlib.sha256(b"".join(f.read_bytes() for f in (SOURCE, TILES))).hexdigest()
+        name = f"miniinfer_cpu_quantized_{digest[:12]}"
         remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         # No -march: each path carries its own target attribute, so one build serves any x86.
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
