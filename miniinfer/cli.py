@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .bench.inputs import check_output_path, check_text, read_jsonl, write_atomically
+from .core.config import SPECULATIVE
 from .core.errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
 
 if TYPE_CHECKING:
@@ -619,9 +620,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=None,
                        help="larger request bodies get HTTP 413 before they are read "
                             "(default 2 MiB)")
-    serve.add_argument("--speculative", choices=("ngram",), default=None,
-                       help="speculative decoding (chapter 14): ngram drafts by prompt lookup "
-                            "and verifies them in the same step; the tokens do not change")
+    serve.add_argument("--speculative", choices=SPECULATIVE, default=None,
+                       help="speculative decoding (chapter 14): drafts by prompt lookup (ngram) "
+                            "or the longest earlier match (suffix), verified in the same step; "
+                            "the tokens do not change")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,
                        help="with --speculative: the most draft tokens a request gets a step")
     engine_settings(serve)

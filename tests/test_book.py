@@ -97,6 +97,7 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
 
     from miniinfer.bench import devices
     from miniinfer.book import results
+    from miniinfer.core import hardware
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(devices, "YOURS_DIR", tmp_path)  # this reader's recordings, read live
@@ -107,7 +108,7 @@ def test_a_host_of_the_same_name_with_another_instruction_set_records_its_own_fi
     # The same CPU name with another instruction set: another file, so neither overwrites the
     # other, and this device does not take the other's rows as its own.
     with monkeypatch.context() as patched:
-        patched.setattr(devices, "device_isa", lambda device: "OTHER")
+        patched.setattr(hardware, "device_isa", lambda device: "OTHER")
         other = tmp_path / "ch06" / f"{devices.device_slug(tiny.device)}.csv"
     assert other.name != f"{slug}.csv" and other.name.endswith("-other.csv")
     live = pd.DataFrame({"engine": ["hf"], "tok_s": [1.0]})

@@ -16,10 +16,12 @@ from miniinfer.core.speculative import (
     Acceptance,
     DraftBudget,
     NgramIndex,
+    StepCosts,
+    SuffixIndex,
     accept_greedy,
     accept_sampled,
 )
-from miniinfer.engines.speculative import SpeculativeEngine
+from miniinfer.engines.speculative import SpeculationStats, SpeculativeEngine
 
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
 
@@ -78,6 +80,77 @@ def test_the_index_grows_with_the_text_three_writes_a_token():
         text.append(token)
         index.propose(text, 2)
     assert CountingDict.writes - first == 3 * 3 and index.num_indexed == len(text)
+
+
+def test_suffix_lookup_drafts_from_the_longest_match_as_far_as_the_match_runs():
+    # "1 2 3" matches 3 tokens at 0-2 (where "4 5 9" followed); the later "3" at 6 only 1.
+    text = [1, 2, 3, 4, 5, 9, 3, 8, 1, 2, 3]
+    assert SuffixIndex().propose(text, 8) == [4, 5, 9]  # as long as the match: 3 tokens
+    assert SuffixIndex().propose(text, 2) == [4, 5]  # never more than asked
+    assert SuffixIndex(alpha=2.0).propose(text, 8) == [4, 5, 9, 3, 8, 1]
+    # A one-token match drafts one token; of equal matches the latest wins.
+    assert SuffixIndex().propose([7, 1, 9, 2, 1, 6, 1], 4) == [6]
+    assert SuffixIndex().propose([1, 2, 3], 3) == [] and SuffixIndex().propose([4], 2) == []
+    # A copy that reaches the end of the text goes on from what it copied.
+    assert SuffixIndex().propose([7, 7, 7, 7], 3) == [7, 7, 7]
+    index = SuffixIndex()  # the index grows with the text: each token once
+    index.propose([1, 2, 1], 1)
+    index.propose([1, 2, 1, 2, 1], 1)
+    assert index.positions == {1: [0, 2], 2: [1, 3]} and index.num_indexed == 4
+
+
+def test_measured_step_costs_read_by_key_rise_and_extend_by_their_mean_step(tmp_path):
+    path = tmp_path / "costs.csv"
+    rows = ["model,forward,weights,tokens,relative_cost", "m,compiled,int4,1,1.0",
+            "m,compiled,int4,2,1.2", "m,compiled,int4,3,1.1", "m,compiled,int4,4,1.6",
+            "m,direct,dense,1,1.0", "m,direct,dense,3,2.0"]
+    path.write_text("\n".join(rows) + "\n")
+    costs = StepCosts.read(path, model="m", forward="compiled", weights="int4")
+    assert costs.relative == (1.0, 1.2, 1.2, 1.6)  # a dip is noise: the curve never falls
+    assert costs(0) == costs(1) == 1.0 and costs(4) == 1.6
+    assert costs(6) == pytest.approx(1.6 + 2 * 0.6 / 3)
+    assert StepCosts.read(path, model="m", forward="direct", weights="dense") is None  # no 2
+    assert StepCosts.read(path, model="x", forward="compiled", weights="int4") is None
+    assert StepCosts.read(tmp_path / "none.csv", model="m") is None
+    with pytest.raises(ValueError, match="positive"):
+        StepCosts((1.0, 0.0))
+    budget = DraftBudget(4, 8.0, 0.25, measured=costs)
+    assert budget.step_cost(2) == 1.2 and DraftBudget(4, 8.0, 0.25).step_cost(2) == 1.5
+
+
+def test_the_engine_drafts_by_its_devices_measured_costs_unless_the_config_models_them(
+        tiny, tmp_path, monkeypatch):
+    from miniinfer.bench.step_costs import measure_step_costs, write_step_costs
+    from miniinfer.engines import speculative
+
+    monkeypatch.setattr(speculative, "YOURS_DIR", tmp_path / "yours")
+    monkeypatch.setattr(speculative, "RESULTS_DIR", tmp_path / "book")
+    assert make_engine("speculative", tiny).draft_budget.measured is None  # none recorded
+    rows = measure_step_costs(tiny, max_tokens=3, context=12, repeats=1, forward="direct")
+    assert [r["tokens"] for r in rows] == [1, 2, 3] and rows[0]["relative_cost"] == 1.0
+    assert {(r["model"], r["forward"], r["weights"]) for r in rows} == {
+        ("tiny", "direct", "dense")}
+    path = speculative.step_costs_file(tmp_path / "book", tiny.device)
+    write_step_costs(rows, path, {"device_name": "here"})
+    write_step_costs(rows, path, {"device_name": "here"})  # a second run replaces the first
+    assert len(path.read_text().splitlines()) == 1 + 3
+    engine = make_engine("speculative", tiny, forward="direct")
+    assert engine.draft_budget.measured.relative[0] == 1.0
+    assert len(engine.draft_budget.measured.relative) == 3
+    assert make_engine("speculative", tiny, forward="registry").draft_budget.measured is None
+    assert make_engine("speculative", tiny, forward="direct",
+                       token_cost=0.1).draft_budget.measured is None
+
+
+def test_suffix_drafts_keep_the_plain_engines_tokens(tiny):
+    prompts = repetitive_prompts(tiny)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    expected = make_engine("continuous", tiny, block_size=4).generate(prompts, params).token_ids
+    engine = make_engine("speculative", tiny, block_size=4, speculative="suffix")
+    assert engine.generate(prompts, params).token_ids == expected
+    assert engine.stats.accepted > 0
+    rid = engine.add_request(prompts[0], params)
+    assert isinstance(engine._drafter(engine.requests[rid]).index, SuffixIndex)
 
 
 def test_greedy_acceptance_keeps_drafts_while_they_equal_the_argmax_then_one_of_its_own():
@@ -271,6 +344,100 @@ def test_drafts_shrink_to_the_token_budget_and_give_way_before_a_preemption(tiny
     step = engine.step()
     assert step.num_prefill_tokens == 4  # the last token and 3 drafts: the budget's 4
     assert engine.stats.drafted == 3
+
+
+def scheduled_drafts(engine, request) -> list[tuple[int, list[int]]]:
+    """Run ``engine`` to the end, noting at each schedule the request's output length and the
+    drafts it is about to verify."""
+    seen, schedule = [], engine.schedule
+
+    def spy():
+        batch = schedule()
+        seen.append((len(request.output_ids), list(request.draft_ids)))
+        return batch
+
+    engine.schedule = spy
+    while engine.has_unfinished_requests():
+        engine.step()
+    return seen
+
+
+def test_a_draft_never_reaches_past_the_requests_last_token(tiny):
+    # A step yields its drafts and one token more: with 1 token to go a request drafts none.
+    engine = make_engine("speculative:fixed", tiny, block_size=4, num_draft_tokens=4)
+    for max_new in (3, 6):
+        rid = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=max_new,
+                                                                  ignore_eos=True))
+        seen = scheduled_drafts(engine, engine.requests[rid])
+        decodes = [(n, len(d)) for n, d in seen if n > 0]
+        assert decodes and all(k == min(4, max_new - n - 1) for n, k in decodes), decodes
+        assert any(k > 0 for _, k in decodes)
+
+
+def test_a_request_that_cannot_draft_verifies_nothing_and_keeps_its_tokens(tiny):
+    # A repetition penalty reads the committed output, which a draft would change mid-step.
+    prompt = [5, 6, 7, 8] * 6
+    penalised = SamplingParams(max_new_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    expected = make_engine("continuous", tiny, block_size=4).generate([prompt], penalised)
+    engine = make_engine("speculative:fixed", tiny, block_size=4)
+    assert engine.generate([prompt], penalised).token_ids == expected.token_ids
+    assert engine.stats.drafted == 0 and engine.stats.request_steps == 12
+
+
+def test_drafts_are_the_steps_own_a_stale_one_is_dropped(tiny):
+    engine = make_engine("speculative:fixed", tiny, block_size=4)
+    rid = engine.add_request(list(range(20, 30)), SamplingParams(max_new_tokens=8,
+                                                                 ignore_eos=True))
+    engine.step()
+    request = engine.requests[rid]
+    request.draft_ids = [1, 2, 3]  # left from a step that never ran
+    engine.propose = lambda request, k: []  # and no draft this step
+    engine.schedule()
+    assert request.draft_ids == []
+
+
+def test_the_adaptive_budget_counts_only_the_prompt_tokens_still_to_compute(tiny):
+    engine = make_engine("speculative", tiny, block_size=4, max_num_batched_tokens=32)
+    engine.add_request([5, 6, 7, 8] * 4, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()  # its prompt (16 tokens): decoding from the next step
+    long = engine.requests[engine.add_request(list(range(100, 140)),
+                                              SamplingParams(max_new_tokens=2, ignore_eos=True))]
+    calls, allocate = [], engine.draft_budget.allocate
+    engine.draft_budget = type("Spy", (), {
+        "max_draft": engine.draft_budget.max_draft,
+        "allocate": lambda self, base, yield_, candidates: calls.append(
+            (base, long.num_tokens - long.num_computed_tokens)) or allocate(base, yield_,
+                                                                           candidates)})()
+    engine.step()  # the decode, its drafts and as much of the 40 prompt tokens as fits
+    engine.step()  # the decode and the rest of the prompt
+    # The step's other tokens: one decode, and the prompt that is still to compute (all 40,
+    # then what the first step left), never more than the budget holds besides the decode.
+    assert calls[0] == (1 + 31, 40) and 0 < calls[1][1] < 40
+    assert calls[1][0] == 1 + calls[1][1]
+
+
+def test_a_prompt_two_tokens_from_its_end_still_counts_as_prompt(tiny):
+    engine = make_engine("speculative", tiny, block_size=4, max_num_batched_tokens=32)
+    engine.add_request([5, 6, 7, 8] * 4, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    engine.step()
+    long = engine.requests[engine.add_request(list(range(100, 133)),
+                                              SamplingParams(max_new_tokens=2, ignore_eos=True))]
+    engine.propose = lambda request, k: []  # no drafts: the decode and 31 of the 33 tokens
+    engine.step()
+    del engine.propose
+    assert long.num_tokens - long.num_computed_tokens == 2
+    calls, allocate = [], engine.draft_budget.allocate
+    engine.draft_budget = type("Spy", (), {
+        "max_draft": engine.draft_budget.max_draft,
+        "allocate": lambda self, *args: calls.append(args[0]) or allocate(*args)})()
+    engine.step()
+    assert calls == [1 + 2]
+
+
+def test_the_speculation_counters_divide_as_named():
+    stats = SpeculationStats(drafted=8, accepted=6, request_steps=4, drafted_steps=3, tokens=10)
+    assert (stats.acceptance_rate, stats.tokens_per_step) == (0.75, 2.5)
+    assert (SpeculationStats().acceptance_rate, SpeculationStats().tokens_per_step) == (0.0, 0.0)
 
 
 def test_preemption_under_speculation_recomputes_and_keeps_the_tokens(tiny):

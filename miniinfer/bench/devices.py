@@ -7,8 +7,6 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import os
-import platform
-import re
 import subprocess
 import sys
 import time
@@ -18,21 +16,17 @@ from pathlib import Path
 import torch
 import transformers
 
-from ..core.hardware import REPO_ROOT, device_isa, sync
+from ..core.hardware import (
+    REPO_ROOT,
+    RESULTS_DIR,
+    YOURS_DIR,
+    device_isa,
+    device_name,
+    device_slug,
+    sync,
+)
 from ..core.kv_cache import kv_bytes_per_block
 from ..core.models import LoadedModel
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def cpu_label(name: str, isa: str) -> str:
@@ -48,19 +42,6 @@ def device_label(device: torch.device) -> str:
     :func:`cpu_label` (so a live table says which of two hosts of one name it ran on)."""
     name = device_name(device)
     return name if device.type == "cuda" else cpu_label(name, device_isa(device))
-
-
-def device_slug(device: torch.device) -> str:
-    """``cpu-intel-xeon-platinum-8481c-avx512`` / ``cuda-nvidia-h100-80gb-hbm3``: the CSV file
-    name. A CPU's ends with its instruction set (:func:`device_isa`): hosts sold under one name
-    are different machines (a Zen 4 and a Zen 3 were both "AMD EPYC" here), and one's results
-    must not overwrite the other's. A GPU's name says which chip it is."""
-    name = device_name(device).lower()
-    name = re.sub(r"\((r|tm)\)|\bcpu\b|@.*$|\bprocessor\b|\d+-core", " ", name)
-    if device.type == "cpu":
-        name += f" {device_isa(device)}".lower()
-    name = re.sub(r"[^a-z0-9]+", "-", name).strip("-")
-    return f"{device.type}-{name}" if name else device.type
 
 
 def git_sha() -> str:
@@ -130,8 +111,6 @@ def measure_peak_flops(device: torch.device, n: int = 2048, repeats: int = 5) ->
 
 # The book's recordings (committed) and the reader's own (``make chapter-NN``; gitignored). A
 # reader's run never writes into the book's data, so it cannot change the book's text or tables.
-RESULTS_DIR = REPO_ROOT / "data" / "results"
-YOURS_DIR = REPO_ROOT / "data" / "yours"
 # Set by ``repro --for-book`` (a clean tree only): the recording becomes the book's.
 FOR_BOOK_ENV = "MINIINFER_RECORD_FOR_BOOK"
 DEVICES_CSV = RESULTS_DIR / "devices.csv"

@@ -23,7 +23,7 @@ from .scheduler import SchedulerConfig
 WEIGHTS = ("dense", "int8", "int4")
 # The runner's forwards ("auto": direct wherever it applies, else registry).
 FORWARDS = ("auto", "direct", "registry", "compiled")
-SPECULATIVE = ("ngram",)
+SPECULATIVE = ("ngram", "suffix")
 DRAFT_POLICIES = ("adaptive", "fixed")
 
 
@@ -36,7 +36,8 @@ SETTING_HELP = {
     "block_size": "tokens per KV block",
     "cuda_graphs": "chapter 07: decode steps replayed as CUDA graphs on a GPU",
     "prefix_caching": "chapter 09: reuse the KV blocks of a prompt prefix seen before",
-    "speculative": "chapter 14: draft tokens to verify in the same step (ngram: prompt lookup)",
+    "speculative": "chapter 14: draft tokens to verify in the same step (ngram: prompt lookup; "
+                   "suffix: the longest earlier match, drafts as long as it)",
     "num_draft_tokens": "chapter 14: the most draft tokens a request gets in one step",
     "draft_policy": "chapter 14: adaptive (drafts where the step's cost model says they pay) "
                     "or fixed",

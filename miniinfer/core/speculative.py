@@ -5,6 +5,9 @@ guess per request in a given step.
 - **Draft** (prompt lookup): the last ``n`` tokens (n = 3, 2, 1) of the request's prompt and
   output, found earlier in that text, propose the tokens that followed them there. Free to
   compute, and right often when the output copies its input (summaries, extraction, edits).
+  :class:`SuffixIndex` is its second form (after SuffixDecoding, Oliaro et al. 2024): the
+  longest earlier match of the text's suffix, however long, and a draft as long as that match
+  makes it likely to hold (a one-token match drafts one token, a long copy drafts ``k``).
 - **Verify**: the step feeds the request's last token and its ``k`` drafts and scores all
   ``k + 1`` positions in one forward. Greedy: drafts are kept while they equal the model's
   argmax, and the first one that does not is replaced by the model's token, so a step yields
@@ -16,14 +19,19 @@ guess per request in a given step.
 - **How many**: verifying costs almost nothing while a step is memory-bound (the weights are
   read once whether the step holds 1 token or 8) and costs in proportion once it is
   compute-bound. :class:`DraftBudget` gives each request the draft tokens that raise the
-  expected tokens per unit of step time, from its own acceptance so far.
+  expected tokens per unit of step time, from its own acceptance so far and the step's cost:
+  measured on the device where a recording exists (:class:`StepCosts`), else the roofline's.
 """
 
 from __future__ import annotations
 
+import csv
 import heapq
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -61,6 +69,45 @@ class NgramIndex:
                     draft.append(tokens[pos] if pos < length else draft[pos - length])
                 return draft
         return []
+
+
+@dataclass(slots=True)
+class SuffixIndex:
+    """Suffix lookup over one request's growing text: of the earlier places where the text's
+    last token occurred, the one whose preceding tokens match the text's end the longest (the
+    latest on a tie) proposes the tokens that followed it. The draft is ``alpha`` times the
+    match's length, at most ``k``: a long match is a copy in progress, a short one a guess.
+    ``positions[token]`` lists where each token occurred, so a lookup reads the last
+    ``max_candidates`` of them, each compared back at most ``max_match`` tokens."""
+
+    alpha: float = 1.0
+    max_match: int = 32
+    max_candidates: int = 64
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    num_indexed: int = 0
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        length = len(tokens)
+        for pos in range(self.num_indexed, length - 1):  # the last token is the query
+            self.positions.setdefault(tokens[pos], []).append(pos)
+        self.num_indexed = max(self.num_indexed, length - 1)
+        if k <= 0 or length < 2:
+            return []
+        best, best_match = -1, 0
+        for pos in reversed(self.positions.get(tokens[-1], [])[-self.max_candidates:]):
+            match = 1
+            while (match < self.max_match and pos - match >= 0
+                   and tokens[pos - match] == tokens[length - 1 - match]):
+                match += 1
+            if match > best_match:
+                best, best_match = pos, match
+        if best < 0:
+            return []
+        n = min(k, max(1, math.floor(self.alpha * best_match)))
+        draft: list[int] = []
+        for pos in range(best + 1, best + 1 + n):
+            draft.append(tokens[pos] if pos < length else draft[pos - length])
+        return draft
 
 
 def accept_greedy(draft: Sequence[int], target: Sequence[int]) -> list[int]:
@@ -127,6 +174,42 @@ class Acceptance:
 
 
 @dataclass(frozen=True, slots=True)
+class StepCosts:
+    """A step's time with 1, 2, ... tokens fed, relative to a one-token step's, as measured
+    on one device for one forward, weights and model (:mod:`miniinfer.bench.step_costs`
+    records them). Past the last count measured, each token adds the measured mean."""
+
+    relative: tuple[float, ...]  # [n - 1]: the step with n tokens over the step with 1
+
+    def __post_init__(self) -> None:
+        if not self.relative or any(not c > 0 for c in self.relative):
+            raise ValueError(f"step costs must be positive, got {self.relative!r}")
+
+    def __call__(self, num_tokens: int) -> float:
+        costs, n = self.relative, max(num_tokens, 1)
+        if n <= len(costs):
+            return costs[n - 1]
+        per_token = (costs[-1] - costs[0]) / (len(costs) - 1) if len(costs) > 1 else 1.0
+        return costs[-1] + max(per_token, 0.0) * (n - len(costs))
+
+    @staticmethod
+    def read(path: Path, **key: str) -> StepCosts | None:
+        """The costs recorded in ``path`` (a CSV with ``tokens`` and ``relative_cost``
+        columns) for the rows whose columns equal ``key`` (model, forward, weights); None
+        where there is no file or no unbroken run of counts from 1."""
+        if not path.is_file():
+            return None
+        with path.open(newline="") as f:
+            rows = [r for r in csv.DictReader(f) if all(r.get(c) == v for c, v in key.items())]
+        by_count = {int(r["tokens"]): float(r["relative_cost"]) for r in rows}
+        costs = []
+        while len(costs) + 1 in by_count:
+            costs.append(by_count[len(costs) + 1])
+        # A step with more tokens does not cost less: a dip is the measurement's noise.
+        return StepCosts(tuple(itertools.accumulate(costs, max))) if len(costs) > 1 else None
+
+
+@dataclass(frozen=True, slots=True)
 class DraftBudget:
     """How many draft tokens each request gets in one step. A step's time is modelled on the
     roofline: flat up to ``knee_tokens`` tokens (reading the weights dominates, and extra
@@ -142,8 +225,11 @@ class DraftBudget:
     max_draft: int
     knee_tokens: float
     token_cost: float
+    measured: StepCosts | None = None  # where given, the step's cost instead of the model's
 
     def step_cost(self, num_tokens: int) -> float:
+        if self.measured is not None:
+            return self.measured(num_tokens)
         return max(1.0, num_tokens / self.knee_tokens) + self.token_cost * num_tokens
 
     def allocate(self, base_tokens: int, base_yield: float,

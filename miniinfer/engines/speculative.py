@@ -21,11 +21,13 @@ check them all (:mod:`miniinfer.core.speculative`):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..core.config import EngineConfig
 from ..core.errors import InvalidRequestError
+from ..core.hardware import RESULTS_DIR, YOURS_DIR, device_slug
 from ..core.models import LoadedModel
 from ..core.sampling import sample_batch, sampling_probs
 from ..core.scheduler import Request, ScheduledBatch
@@ -33,18 +35,17 @@ from ..core.speculative import (
     Acceptance,
     DraftBudget,
     NgramIndex,
+    StepCosts,
+    SuffixIndex,
     accept_greedy,
     accept_sampled,
 )
 from .prefix_cache import PrefixCacheEngine
 
-# A step's cost model per device (DraftBudget): the tokens a step holds before it turns
-# compute-bound (the roofline's ridge), and what each fed token adds, as a share of a one-token
-# step. The CPU's from a 2-core Xeon (SmolLM2 fp32, on a busy machine): a forward over 16
-# tokens took about 1.4x one token's, but inside the engine a 5-token verification step at a
-# 650-token context took 100-117 ms against a decode's 57 ms (the varlen attention path and the
-# extra rows), so each token costs about a quarter of a step there. The GPU's are the
-# roofline's estimates, not yet measured.
+# A step's cost model per device where none was measured (DraftBudget): the tokens a step holds
+# before it turns compute-bound (the roofline's ridge), and what each fed token adds, as a share
+# of a one-token step. A device's measured costs (bench.step_costs, for the engine's model,
+# forward and weights) replace it; the figures behind these are in data/results/ch14/NOTES.md.
 DRAFT_COSTS = {"cpu": (16.0, 0.25), "cuda": (128.0, 0.002)}
 
 
@@ -71,8 +72,28 @@ class SpeculationStats:
 
 @dataclass(slots=True)
 class _Drafter:
-    index: NgramIndex
+    index: NgramIndex | SuffixIndex
     acceptance: Acceptance
+
+
+DRAFTERS = {"ngram": NgramIndex, "suffix": SuffixIndex}
+
+
+def step_costs_file(root: Path, device: torch.device) -> Path:
+    """Where a device's measured step costs are kept: beside chapter 14's recording."""
+    return root / "ch14" / f"{device_slug(device)}-step-costs.csv"
+
+
+def measured_step_costs(device: torch.device, model: str, forward: str,
+                        weights: str) -> StepCosts | None:
+    """This device's measured step costs for the engine's model, forward and weights: the
+    reader's own recording first, then the book's; None where neither has them."""
+    for root in (YOURS_DIR, RESULTS_DIR):
+        costs = StepCosts.read(step_costs_file(root, device), model=model, forward=forward,
+                               weights=weights)
+        if costs is not None:
+            return costs
+    return None
 
 
 class SpeculativeEngine(PrefixCacheEngine):
@@ -88,13 +109,19 @@ class SpeculativeEngine(PrefixCacheEngine):
         super().__init__(lm, config, **options)
         config = self.config
         if config.speculative is None:
-            raise InvalidRequestError("the speculative stage needs speculative='ngram'; "
-                                      "without drafts, use its base engine")
+            raise InvalidRequestError("the speculative stage needs a drafter (speculative="
+                                      f"{' or '.join(map(repr, DRAFTERS))}); without drafts, "
+                                      "use its base engine")
         self.draft_policy = config.draft_policy
         knee, cost = DRAFT_COSTS.get(self.device.type, DRAFT_COSTS["cuda"])
+        # A cost model given in the config is used as given; else the device's measured one.
+        modelled = config.knee_tokens is not None or config.token_cost is not None
+        measured = None if modelled else measured_step_costs(
+            self.device, lm.name, self.runner.forward_name, config.weights)
         self.draft_budget = DraftBudget(config.num_draft_tokens,
                                         knee if config.knee_tokens is None else config.knee_tokens,
-                                        cost if config.token_cost is None else config.token_cost)
+                                        cost if config.token_cost is None else config.token_cost,
+                                        measured)
         self.stats = SpeculationStats()
         self._drafters: dict[Request, _Drafter] = {}  # by the request itself: ids are reused
 
@@ -138,13 +165,14 @@ class SpeculativeEngine(PrefixCacheEngine):
             request.draft_ids = draft[:k]
 
     def propose(self, request: Request, k: int) -> list[int]:
-        """Up to ``k`` draft tokens for a request: prompt lookup over its own text."""
+        """Up to ``k`` draft tokens for a request, looked up in its own text."""
         return self._drafter(request).index.propose(request.token_ids(0, request.num_tokens), k)
 
     def _drafter(self, request: Request) -> _Drafter:
         drafter = self._drafters.get(request)
         if drafter is None:
-            drafter = self._drafters[request] = _Drafter(NgramIndex(), Acceptance())
+            index = DRAFTERS[self.config.speculative]()
+            drafter = self._drafters[request] = _Drafter(index, Acceptance())
         return drafter
 
     def can_draft(self, request: Request) -> bool:
