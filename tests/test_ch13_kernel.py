@@ -21,9 +21,39 @@ from miniinfer.runner.quantized import (
     q4_1_quantize,
 )
 
-REASON = cpu_quantized.load()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"the kernel does not run: {REASON}")
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f
+                         if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# What this CPU should run, read from its flags, not from the kernel (whose loading is under
+# test): on an x86-64 CPU with AVX2, FMA and F16C the kernel must build and run.
+FLAGS = _cpu_flags()
+EXPECTED_PATHS = (["avx2"] if {"avx2", "fma", "f16c"} <= FLAGS else []) + (
+    ["avx512-vnni"] if {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
+                        "avx512_vnni"} <= FLAGS else [])
+pytestmark = pytest.mark.skipif(not EXPECTED_PATHS,
+                                reason="not an x86-64 CPU with AVX2, FMA and F16C (per "
+                                       "/proc/cpuinfo): the kernel is not for it")
 PATHS = ["avx2", "avx512-vnni"]
+
+
+def test_the_kernel_builds_on_this_cpu_and_offers_the_paths_its_flags_name():
+    assert cpu_quantized.load() is None
+    assert cpu_quantized.instruction_sets() == EXPECTED_PATHS
+
+
+def test_another_architecture_is_told_the_kernel_is_for_x86(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    reason = cpu_quantized.load.__wrapped__()  # not the cached answer of this machine
+    assert reason == "the quantized kernel is written for x86-64 CPUs; this is aarch64"
 
 
 def _path(isa: str) -> str:

@@ -434,6 +434,33 @@ def test_a_prompt_two_tokens_from_its_end_still_counts_as_prompt(tiny):
     assert calls == [1 + 2]
 
 
+def test_the_lookup_reads_the_whole_text_its_first_token_too(tiny):
+    engine = make_engine("speculative", tiny, block_size=4)
+    request = engine.requests[engine.add_request([9, 5, 9], GREEDY)]
+    assert engine.propose(request, 2) == [5, 9]  # "9" occurred only as the text's first token
+
+
+def test_drafts_wait_for_min_tokens_then_start_at_once(tiny):
+    engine = make_engine("speculative:fixed", tiny, block_size=4, num_draft_tokens=4)
+    rid = engine.add_request([5, 6, 7, 8] * 6, SamplingParams(max_new_tokens=12, min_tokens=3,
+                                                              ignore_eos=True))
+    seen = scheduled_drafts(engine, engine.requests[rid])
+    assert [n for n, d in seen if n > 0][:3] == [1, 2, 3]  # one token a step until then
+    assert [bool(d) for n, d in seen if 0 < n <= 3] == [False, False, True]
+
+
+def test_an_undrafted_sampled_request_draws_the_plain_engines_tokens(tiny):
+    # Without drafts, a seeded sampled request goes through chapter 08's sampler as it would
+    # on the plain engine: the same draws, so the same tokens.
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, seed=7, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 3
+    plain = make_engine("continuous", tiny, block_size=4).generate([prompt], params)
+    engine = make_engine("speculative", tiny, block_size=4)
+    engine.propose = lambda request, k: []
+    out = engine.generate([prompt], params)
+    assert out.token_ids == plain.token_ids and engine.stats.drafted == 0
+
+
 def test_the_speculation_counters_divide_as_named():
     stats = SpeculationStats(drafted=8, accepted=6, request_steps=4, drafted_steps=3, tokens=10)
     assert (stats.acceptance_rate, stats.tokens_per_step) == (0.75, 2.5)

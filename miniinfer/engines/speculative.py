@@ -159,7 +159,7 @@ class SpeculativeEngine(PrefixCacheEngine):
             prompts = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.running
                           if r.num_tokens - r.num_computed_tokens > 1)
             prompts += sum(r.num_tokens for r in scheduler.waiting)
-            base = len(decoding) + min(prompts, max(budget - len(decoding), 0))
+            base = max(len(decoding), min(len(decoding) + prompts, budget))
             lengths = self.draft_budget.allocate(base, len(decoding), candidates)
         for (request, draft), k in zip(drafts, lengths, strict=True):
             request.draft_ids = draft[:k]

@@ -37,17 +37,14 @@ def load() -> str | None:
     is not."""
     try:
         from torch._inductor import cpu_vec_isa
-        from torch.utils import cpp_extension
 
         isa = cpu_vec_isa.pick_vec_isa()
         if not isa:
             return "inductor found no vector instruction set on this CPU"
-        flags = ["-O3", "-fopenmp", *isa.build_arch_flags().split(),
+        flags = [*isa.build_arch_flags().split(),
                  *(f"-D{macro}" for macro in isa.build_macro())]
         name = "miniinfer_cpu_decode_" + re.sub(r"\W+", "_", str(isa))  # one build per ISA
-        remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags,
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        build(name, SOURCE, flags)
     except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
         return one_line(error)
 
@@ -61,6 +58,17 @@ def load() -> str | None:
 # A build takes a minute or two; a lock older than this was left by a process killed mid-build,
 # and torch would wait on it forever.
 STALE_LOCK_S = 600
+
+
+def build(name: str, source: Path, flags: list[str]) -> None:
+    """Build ``source`` as the torch extension ``name`` with OpenMP and ``flags`` (or find it
+    built, in torch's cache) and load it, registering its ops. A lock left by a build that was
+    killed is removed first."""
+    from torch.utils import cpp_extension
+
+    remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    cpp_extension.load(name, [str(source)], extra_cflags=["-O3", "-fopenmp", *flags],
+                       extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
 def remove_stale_lock(build_dir: Path) -> None:

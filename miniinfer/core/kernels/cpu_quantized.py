@@ -23,7 +23,7 @@ import torch
 
 from ..errors import one_line
 from .cpu_decode import SOURCE as DECODE_SOURCE
-from .cpu_decode import remove_stale_lock
+from .cpu_decode import build
 
 SOURCE = DECODE_SOURCE.with_name("cpu_quantized.cpp")
 TILES = SOURCE.with_name("cpu_quantized_tiles.h")  # the inner loops, included once per ISA
@@ -40,17 +40,10 @@ def load() -> str | None:
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"the quantized kernel is written for x86-64 CPUs; this is {platform.machine()}"
     try:
-        from pathlib import Path
-
-        from torch.utils import cpp_extension
-
         # One build per version of the sources (torch's cache would not see the header change).
         digest = hashlib.sha256(b"".join(f.read_bytes() for f in (SOURCE, TILES))).hexdigest()
-        name = f"miniinfer_cpu_quantized_{digest[:12]}"
-        remove_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
         # No -march: each path carries its own target attribute, so one build serves any x86.
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        build(f"miniinfer_cpu_quantized_{digest[:12]}", SOURCE, [])
     except Exception as error:  # noqa: BLE001 (whatever stops the build is the reason)
         return one_line(error)
     if int(torch.ops.miniinfer.quantized_isas()) == 0:
