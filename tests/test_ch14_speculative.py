@@ -90,7 +90,9 @@ def test_suffix_lookup_drafts_from_the_longest_match_as_far_as_the_match_runs():
     assert SuffixIndex(alpha=2.0).propose(text, 8) == [4, 5, 9, 3, 8, 1]
     # A one-token match drafts one token; of equal matches the latest wins.
     assert SuffixIndex().propose([7, 1, 9, 2, 1, 6, 1], 4) == [6]
+    assert SuffixIndex().propose(text, 1) == [4]
     assert SuffixIndex().propose([1, 2, 3], 3) == [] and SuffixIndex().propose([4], 2) == []
+    assert SuffixIndex().propose([], 2) == [] and SuffixIndex().propose([3, 3], 2) == [3]
     # A copy that reaches the end of the text goes on from what it copied.
     assert SuffixIndex().propose([7, 7, 7, 7], 3) == [7, 7, 7]
     index = SuffixIndex()  # the index grows with the text: each token once
@@ -532,6 +534,19 @@ def test_sampled_tokens_after_a_forced_draft_follow_the_models_distribution(tiny
     counts = torch.tensor([seconds.count(t) for t in support], dtype=torch.float64)
     assert counts.sum() == len(seconds)  # never a token top-k removed
     expected = p[support].double() * len(seconds)
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, (chi2, counts.tolist(), expected.tolist())
+    # Where the draft was kept, the same step drew the bonus token from the draft's own row:
+    # p(. | prompt, t1, draft), not the row before it.
+    with torch.inference_mode():
+        logits = tiny.model(input_ids=torch.tensor([[*prompt, t1, draft]])).logits[0, -1:]
+    bonus_p = sampling_probs(logits, [_row(params[0])], None)[0]
+    bonus_support = bonus_p.nonzero()[:, 0].tolist()
+    thirds = [outputs[i][2] for i in ids if outputs[i][:2] == [t1, draft]]
+    assert len(thirds) == engine.stats.accepted
+    counts = torch.tensor([thirds.count(t) for t in bonus_support], dtype=torch.float64)
+    assert counts.sum() == len(thirds)
+    expected = bonus_p[bonus_support].double() * len(thirds)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 16.27, (chi2, counts.tolist(), expected.tolist())
 
