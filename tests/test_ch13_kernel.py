@@ -167,6 +167,15 @@ def test_a_path_the_cpu_lacks_is_refused_naming_it():
                                   "avx512-vnni")
 
 
+def test_a_row_that_is_not_whole_blocks_is_refused_before_the_kernel_sees_it():
+    from miniinfer.runner import quantized
+
+    with pytest.raises(ValueError, match="in_features 48 is not a whole number of 32-weight"):
+        Int8Linear(torch.randn(4, 48), compute_dtype=torch.int8)
+    assert Int8Linear(torch.randn(4, 48)).compute_dtype == torch.bfloat16  # the default's choice
+    assert quantized.default_compute_dtype(64) == torch.int8
+
+
 def test_without_the_kernel_int8_compute_is_refused_and_the_default_falls_back(monkeypatch):
     from miniinfer.runner import quantized
 
