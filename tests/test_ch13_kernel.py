@@ -182,6 +182,8 @@ def test_without_the_kernel_int8_compute_is_refused_and_the_default_falls_back(m
     monkeypatch.setattr(cpu_quantized, "load", lambda: "this CPU lacks AVX2")
     with pytest.raises(ValueError, match="needs chapter 13's kernel: this CPU lacks AVX2"):
         Int8Linear(torch.randn(4, 64), compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match="needs chapter 13's kernel: this CPU lacks AVX2"):
+        Int4Linear(q4_1_quantize(torch.randn(16, 64)), compute_dtype=torch.int8)
     assert quantized.default_compute_dtype() == torch.bfloat16
     assert Int4Linear(q4_1_quantize(torch.randn(16, 64))).compute_dtype == torch.bfloat16
 

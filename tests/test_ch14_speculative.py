@@ -463,6 +463,20 @@ def test_an_undrafted_sampled_request_draws_the_plain_engines_tokens(tiny):
     assert out.token_ids == plain.token_ids and engine.stats.drafted == 0
 
 
+def test_a_seeded_sampled_request_with_drafts_draws_the_same_tokens_every_run(tiny):
+    # Its drafts are verified with its own generator, not the process's: a rerun repeats it.
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    prompt = [5, 6, 7, 8] * 6
+    runs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        engine = ForcedDrafts(tiny, block_size=4, draft_policy="fixed")
+        engine.drafts = {n: [5, 6, 7] for n in range(1, 16)}
+        runs.append(engine.generate([prompt], params).token_ids)
+        assert engine.stats.drafted > 0
+    assert runs[0] == runs[1]
+
+
 def test_the_speculation_counters_divide_as_named():
     stats = SpeculationStats(drafted=8, accepted=6, request_steps=4, drafted_steps=3, tokens=10)
     assert (stats.acceptance_rate, stats.tokens_per_step) == (0.75, 2.5)
