@@ -91,6 +91,8 @@ def test_suffix_lookup_drafts_from_the_longest_match_as_far_as_the_match_runs():
     # A one-token match drafts one token; of equal matches the latest wins.
     assert SuffixIndex().propose([7, 1, 9, 2, 1, 6, 1], 4) == [6]
     assert SuffixIndex().propose(text, 1) == [4]
+    # A match ends at the first token that differs: "2 3" (7 and 9 differ before it).
+    assert SuffixIndex().propose([7, 2, 3, 4, 5, 8, 9, 2, 3], 8) == [4, 5]
     assert SuffixIndex().propose([1, 2, 3], 3) == [] and SuffixIndex().propose([4], 2) == []
     assert SuffixIndex().propose([], 2) == [] and SuffixIndex().propose([3, 3], 2) == [3]
     # A copy that reaches the end of the text goes on from what it copied.
@@ -475,6 +477,19 @@ def test_a_seeded_sampled_request_with_drafts_draws_the_same_tokens_every_run(ti
         runs.append(engine.generate([prompt], params).token_ids)
         assert engine.stats.drafted > 0
     assert runs[0] == runs[1]
+
+
+def test_sampled_requests_verified_in_one_step_each_read_their_own_rows(tiny):
+    # Sampling with top_k=1 is greedy, taken through rejection sampling: a draft is kept
+    # exactly when it is the argmax, so each request must get its own greedy tokens.
+    prompts = [list(range(20, 30)), list(range(60, 75))]
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    expected = make_engine("continuous", tiny, block_size=4).generate(prompts, greedy).token_ids
+    sampled = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, top_k=1, seed=0)
+    engine = ForcedDrafts(tiny, block_size=4, draft_policy="fixed")
+    engine.drafts = {n: [1, 2] for n in range(1, 6)}
+    assert engine.generate(prompts, sampled).token_ids == expected
+    assert engine.stats.drafted >= 4
 
 
 def test_the_speculation_counters_divide_as_named():
