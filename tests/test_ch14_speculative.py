@@ -118,6 +118,8 @@ def test_measured_step_costs_read_by_key_rise_and_extend_by_their_mean_step(tmp_
     assert StepCosts.read(tmp_path / "none.csv", model="m") is None
     with pytest.raises(ValueError, match="positive"):
         StepCosts((1.0, 0.0))
+    assert StepCosts((1.0,))(3) == 3.0  # one count measured: a token costs a step
+    assert StepCosts((1.0, 1.5))(4) == 2.5
     budget = DraftBudget(4, 8.0, 0.25, measured=costs)
     assert budget.step_cost(2) == 1.2 and DraftBudget(4, 8.0, 0.25).step_cost(2) == 1.5
 
@@ -274,11 +276,24 @@ def test_stop_tokens_and_logprobs_inside_accepted_drafts(tiny):
     assert b.output_ids == a.output_ids and len(b.output_logprobs) == len(b.output_ids)
     assert [lp.token_id for lp in b.output_logprobs] == b.output_ids
     assert abs(b.cumulative_logprob - a.cumulative_logprob) < 1e-3
-    # A stop token that a draft carries ends the request there, its later tokens dropped.
-    stop = a.output_ids[5]
-    cut = make_engine("speculative:fixed", tiny).generate(
-        [prompt], SamplingParams(max_new_tokens=30, ignore_eos=True, stop_token_ids=(stop,)))
-    assert cut.token_ids[0] == a.output_ids[:a.output_ids.index(stop) + 1]
+    # A stop token that a draft carries ends the request there: the tokens after it are
+    # dropped, and their logprobs, from the list and from the sum.
+    prompt = list(range(60, 75))
+    expected = plain.generate([prompt], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    expected = expected.token_ids[0]
+    stop = expected[7]
+    assert stop not in expected[:7]
+    cut = ForcedDrafts(tiny, draft_policy="fixed", num_draft_tokens=9)
+    cut.drafts = {1: expected[1:10]}  # all right: the step keeps 9 drafts and the bonus
+    request = cut.requests[cut.add_request(prompt, SamplingParams(
+        max_new_tokens=12, ignore_eos=True, stop_token_ids=(stop,), logprobs=2))]
+    while cut.has_unfinished_requests():
+        cut.step()
+    assert request.output_ids == expected[:8] and cut.stats.tokens == 8
+    assert (cut.stats.drafted, cut.stats.accepted) == (9, 9)
+    assert [lp.token_id for lp in request.output_logprobs] == expected[:8]
+    assert abs(request.cumulative_logprob
+               - sum(lp.logprob for lp in request.output_logprobs)) < 1e-6
 
 
 # -- acceptance and rollback state --------------------------------------------------------------
