@@ -107,13 +107,15 @@ def test_measured_step_costs_read_by_key_rise_and_extend_by_their_mean_step(tmp_
     path = tmp_path / "costs.csv"
     rows = ["model,forward,weights,tokens,relative_cost", "m,compiled,int4,1,1.0",
             "m,compiled,int4,2,1.2", "m,compiled,int4,3,1.1", "m,compiled,int4,4,1.6",
-            "m,direct,dense,1,1.0", "m,direct,dense,3,2.0"]
+            "m,direct,dense,1,1.0", "m,direct,dense,3,2.0", "m,direct,int8,1,1.0",
+            "m,direct,int8,2,1.3"]
     path.write_text("\n".join(rows) + "\n")
     costs = StepCosts.read(path, model="m", forward="compiled", weights="int4")
     assert costs.relative == (1.0, 1.2, 1.2, 1.6)  # a dip is noise: the curve never falls
     assert costs(0) == costs(1) == 1.0 and costs(4) == 1.6
     assert costs(6) == pytest.approx(1.6 + 2 * 0.6 / 3)
     assert StepCosts.read(path, model="m", forward="direct", weights="dense") is None  # no 2
+    assert StepCosts.read(path, model="m", forward="direct", weights="int8").relative == (1.0, 1.3)
     assert StepCosts.read(path, model="x", forward="compiled", weights="int4") is None
     assert StepCosts.read(tmp_path / "none.csv", model="m") is None
     with pytest.raises(ValueError, match="positive"):
