@@ -30,7 +30,7 @@ from ..engines import make_engine
 from ..engines.speculative import step_costs_file
 from .devices import LoadGuard, recording_root, run_metadata
 
-FIELDS = ("model", "forward", "weights", "context", "tokens", "repeats", "step_ms",
+FIELDS = ("model", "forward", "weights", "dtype", "context", "tokens", "repeats", "step_ms",
           "step_ms_min", "step_ms_max", "relative_cost")
 
 
@@ -64,7 +64,7 @@ def measure_step_costs(lm, *, max_tokens: int = 9, context: int = 256, repeats: 
     base = statistics.median(times[1])
     config = engine.config
     return [{"model": lm.name, "forward": engine.runner.forward_name, "weights": config.weights,
-             "context": context, "tokens": n, "repeats": repeats,
+             "dtype": str(lm.dtype).removeprefix("torch."), "context": context, "tokens": n, "repeats": repeats,
              "step_ms": round(statistics.median(ms), 3), "step_ms_min": round(min(ms), 3),
              "step_ms_max": round(max(ms), 3),
              "relative_cost": round(statistics.median(ms) / base, 4)}
