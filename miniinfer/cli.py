@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .bench.inputs import check_output_path, check_text, read_jsonl, write_atomically
-from .core.config import SPECULATIVE
+from .core.config import MAX_DRAFT_TOKENS, SPECULATIVE
 from .core.errors import Interrupted, InvalidRequestError, MiniInferError, UnknownNameError
 
 if TYPE_CHECKING:
@@ -625,7 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "or the longest earlier match (suffix), verified in the same step; "
                             "the tokens do not change")
     serve.add_argument("--num-speculative-tokens", type=int, default=4,
-                       help="with --speculative: the most draft tokens a request gets a step")
+                       help=f"with --speculative: the most draft tokens a request gets a step "
+                            f"(0-{MAX_DRAFT_TOKENS})")
     engine_settings(serve)
     serve.set_defaults(func=cmd_serve)
 

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from miniinfer import SamplingParams, load_model, make_engine
+from miniinfer.core.config import MAX_DRAFT_TOKENS
 from miniinfer.core.errors import MiniInferError
 from miniinfer.core.kernels import cpu_decode
 from miniinfer.runner import compiled, compiled_attention
@@ -487,9 +488,9 @@ def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim, kv_heads):
     prompt and running into the next block and one of an odd length deep in its request, a
     token whose position lies past its table, as a padding row's may) attends to exactly its
     own request's positions up to its own, read from this layer's K and V rows of the pool
-    (another layer's rows around them hold other values). In fp32 the chunks go in tiles
-    (their tokens with the 9, 3 or 1 heads of each kv head: a tile of 6 tokens, of 2, and none,
-    one token at a time); a head of 48 is not a whole number of four AVX2 or AVX-512 vectors
+    (another layer's rows around them hold other values). In fp32 the 21-token chunk goes in
+    tiles (its tokens with the 9, 3 or 1 heads of each kv head: a tile of 6 tokens, of 2, and
+    none, one token at a time), the 7-token one a token at a time; a head of 48 is not a whole number of four AVX2 or AVX-512 vectors
     (the per-token path's leftover vectors), nor of two AVX-512 vectors (no tiles there)."""
     if (reason := cpu_decode.unavailable(dim)) is not None:
         pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
@@ -523,6 +524,37 @@ def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim, kv_heads):
         with pytest.raises(RuntimeError, match="multiple of kv heads"):
             cpu_decode.paged_token_attention(q[:, :8], pool, k_base, v_base, block_size,
                                              tables[request], positions, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verification_run_attends_bit_for_bit_as_its_tokens_decoded(dtype):
+    """The longest verification a config allows (``MAX_DRAFT_TOKENS`` + 1 consecutive tokens
+    of one request) attends exactly, to the last bit, as the same tokens each alone in a step,
+    as decodes (beside another request's decode), so a kept draft is the token the step
+    without drafts would have chosen. A prompt chunk of 16 tokens goes in tiles: the same to
+    rounding, summed in another order."""
+    if (reason := cpu_decode.unavailable(64)) is not None:
+        pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
+    torch.manual_seed(0)
+    block_size, slots, heads, kv_heads, dim = 16, 12 * 16, 9, 3, 64
+    pool = torch.randn(2 * slots, kv_heads, dim).to(dtype)
+    tables = torch.tensor([[3, 7, 0, 5], [2, 8, 4, 1]], dtype=torch.int32)
+
+    def attend(q, rows):
+        request, positions = torch.tensor([r for r, _ in rows]), torch.tensor([p for _, p in rows])
+        return cpu_decode.paged_token_attention(q, pool, 0, slots, block_size, tables[request],
+                                                positions, 0.125)
+
+    for length in (MAX_DRAFT_TOKENS + 1, 16):
+        run = [(0, p) for p in range(40, 40 + length)]
+        q = torch.randn(length + 1, heads, dim).to(dtype)
+        together = attend(q, [*run, (1, 30)])
+        alone = torch.cat([attend(q[i:i + 1], [row]) for i, row in enumerate(run)])
+        if length <= MAX_DRAFT_TOKENS + 1:
+            assert torch.equal(together[:length], alone)
+        else:
+            torch.testing.assert_close(together[:length], alone, rtol=1e-5, atol=1e-5)
+        assert torch.equal(together[length:], attend(q[length:], [(1, 30)]))
 
 
 def test_fused_tokens_attend_through_the_kernel_or_say_why_not(tiny, monkeypatch):

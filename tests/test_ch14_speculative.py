@@ -646,6 +646,12 @@ def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics
     assert engine_config("compiled", speculative="ngram").forward == "compiled"
     with pytest.raises(InvalidRequestError, match="forward='compiled' and tensor_parallel=2"):
         ServerConfig(engine="compiled", speculative="ngram", tensor_parallel=2)
+    # Longer verifications would attend in the CPU kernel's tiles, not as decodes.
+    ServerConfig(speculative="ngram", num_speculative_tokens=14)
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens must be in 0-14, got 15"):
+        ServerConfig(speculative="ngram", num_speculative_tokens=15)
+    with pytest.raises(InvalidRequestError, match="num_draft_tokens must be at most 14, got 15"):
+        engine_config("compiled", speculative="ngram", num_draft_tokens=15)
 
 
 # -- the recording (make chapter-14), rehearsed on tiny sizes ---------------------------------

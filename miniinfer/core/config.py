@@ -25,6 +25,10 @@ WEIGHTS = ("dense", "int8", "int4")
 FORWARDS = ("auto", "direct", "registry", "compiled")
 SPECULATIVE = ("ngram", "suffix")
 DRAFT_POLICIES = ("adaptive", "fixed")
+# A verification step feeds a request num_draft_tokens + 1 tokens. The CPU attention kernel
+# attends runs of fewer than 16 tokens one at a time, as it does decodes, so that a verified
+# token's attention is bit for bit its decode's (see kMinTileTokens in cpu_decode.cpp).
+MAX_DRAFT_TOKENS = 14
 
 
 # What each setting does, for the command line's flags (one per setting, `--help` from here).
@@ -38,7 +42,8 @@ SETTING_HELP = {
     "prefix_caching": "chapter 09: reuse the KV blocks of a prompt prefix seen before",
     "speculative": "chapter 14: draft tokens to verify in the same step (ngram: prompt lookup; "
                    "suffix: the longest earlier match, drafts as long as it)",
-    "num_draft_tokens": "chapter 14: the most draft tokens a request gets in one step",
+    "num_draft_tokens": f"chapter 14: the most draft tokens a request gets in one step (at most "
+                        f"{MAX_DRAFT_TOKENS})",
     "draft_policy": "chapter 14: adaptive (drafts where the step's cost model says they pay) "
                     "or fixed",
 }
@@ -93,6 +98,10 @@ class EngineConfig:
             least = 1 if name == "tensor_parallel" else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 return f"{name} must be an integer >= {least}, got {value!r}"
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:
+            return (f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got "
+                    f"{self.num_draft_tokens}: a longer verification would attend in the CPU "
+                    f"kernel's tiles, not as its decodes do, and could change the tokens")
         tp = self.tensor_parallel
         if tp > 1 and self.forward not in ("auto", "direct"):
             # Each rank runs the direct forward over its shard; a compiled graph per rank

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ..core.config import MAX_DRAFT_TOKENS
 from ..core.errors import InvalidRequestError, MiniInferError
 from ..core.kv_cache import DEFAULT_BLOCK_SIZE, KVCacheConfig, blocks_for, kv_bytes_per_block
 from ..core.models import (
@@ -124,9 +125,10 @@ class ServerConfig:
                                       f"{self.arrival_window_ms}")
         if not 0 <= self.port <= 65535:
             raise InvalidRequestError(f"port must be in 0-65535, got {self.port}")
-        if self.speculative is not None and not 0 <= self.num_speculative_tokens <= 32:
-            raise InvalidRequestError(f"num_speculative_tokens must be in 0-32, got "
-                                      f"{self.num_speculative_tokens}")
+        if self.speculative is not None and \
+                not 0 <= self.num_speculative_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidRequestError(f"num_speculative_tokens must be in 0-{MAX_DRAFT_TOKENS}, "
+                                      f"got {self.num_speculative_tokens}")
         cls, _ = resolve_engine(self.engine)
         # The server adds requests one by one and steps: the interface chapter 08 built.
         if not issubclass(cls, ContinuousEngine):

@@ -66,6 +66,15 @@ inline float exp_in_place(float* s, int64_t n) {
 // row, 7 rows keep 14 sums and 2 loaded vectors in AVX2's 16 registers.
 constexpr int64_t kMaxTileRows = 7;
 
+// The shortest run of tokens that goes in tiles; shorter runs go one token at a time, with the
+// arithmetic of a decode. A verification step's k + 1 tokens are such a run: each then attends
+// bit for bit as it would have as a decode (the tiles sum a score in another order), so a draft
+// is kept exactly where the step without drafts would have chosen it (chapter 14). That matters
+// most where activations are rounded to int8 after attention (chapter 13's kernel): a last-bit
+// difference there moves a code. A run this short shares too little of its context to gain from
+// a tile. Keep it above config.py's MAX_DRAFT_TOKENS + 1 (a test checks it).
+constexpr int64_t kMinTileTokens = 16;
+
 // A tile: `ROWS` query rows (up to `tile_tokens` consecutive tokens of one request, each with
 // the `group` heads that share kv head `kv_head`) against the request's K, transposed once per
 // call into `kt` ([block][dim][block_size]: positions along the vector lanes, NV vectors a
@@ -197,8 +206,8 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
     while (tile != nullptr && end < tokens && position_ptr[end] == position_ptr[end - 1] + 1 &&
            std::equal(table_ptr + end * width, table_ptr + (end + 1) * width, table_ptr + t * width))
       ++end;
-    if (end - t == 1) {
-      work.push_back({t, 1, -1, 0, 0, context_of(t) * heads});
+    if (end - t < kMinTileTokens) {
+      for (int64_t u = t; u < end; ++u) work.push_back({u, 1, -1, 0, 0, context_of(u) * heads});
     } else {
       const int64_t blocks = (context_of(end - 1) + block_size - 1) / block_size;
       runs.push_back({t, end - t, blocks, kt_size});
