@@ -98,6 +98,17 @@ def test_quantized_linears_equal_their_dequantized_dense_product(dtype):
         torch.testing.assert_close(linear(x), x @ dense.t() + bias, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32, torch.bfloat16])
+def test_quantized_linears_take_zero_rows(dtype):
+    """A step may need no logits (a long prompt's first chunk): the LM head gets no rows and
+    gives none, with its own width."""
+    w = torch.randn(48, 64)
+    for linear in (Int4Linear(q4_1_quantize(w), compute_dtype=dtype),
+                   Int8Linear(w, compute_dtype=dtype)):
+        assert linear(torch.randn(0, 64)).shape == (0, 48)
+        assert linear(torch.randn(2, 0, 64)).shape == (2, 0, 48)
+
+
 def test_quantize_model_swaps_every_linear_and_reads_fewer_bytes(tiny):
     dense = load(tiny.model)
     for bits, body in (("int8", Int8Linear), ("int4", Int4Linear)):
@@ -121,9 +132,12 @@ def test_variants_are_listed_and_resolve():
 @pytest.mark.parametrize("variant", ["int8-eager", "int4-eager"])
 def test_eager_variants_build_and_generate(tiny, variant):
     tok = tiny.tokenizer
-    out = make_engine(f"quantized:{variant}", tiny).generate(
-        [tok.encode(p) for p in PROMPTS[:3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    engine = make_engine(f"quantized:{variant}", tiny, max_num_batched_tokens=16)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    out = engine.generate([tok.encode(p) for p in PROMPTS[:3]], params)
     assert [len(ids) for ids in out.token_ids] == [5, 5, 5]
+    # A prompt longer than a step's tokens, alone: its first chunks' steps need no logits.
+    assert len(engine.generate([list(range(5, 45))], params).token_ids[0]) == 5
 
 
 def test_int4_on_the_stage_equals_its_model_run_whole(tiny):

@@ -211,7 +211,9 @@ class Int4Linear(Linear):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 _flat(x, self.compute_dtype), self.packed, GROUP, self.scales_and_zeros)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        # Sized by name: a step may need no logits (a prompt's first chunk), and zero rows
+        # of -1 columns is no shape.
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -249,7 +251,9 @@ class Int8Linear(Linear):
         else:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.compute_dtype), self.codes,
                                                    self.scales)
-        y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+        # Sized by name: a step may need no logits (a prompt's first chunk), and zero rows
+        # of -1 columns is no shape.
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
