@@ -262,6 +262,27 @@ def test_greedy_tokens_equal_hf_and_the_plain_engine_on_smollm2(smollm2):
     assert engine.stats.accepted >= 8 and engine.stats.tokens_per_step > 1.3
 
 
+def test_int4_greedy_tokens_with_drafts_equal_those_without_on_smollm2(smollm2):
+    """int4's kernel rounds each activation row to int8, where a last-bit difference in
+    attention moves a code: a verified token must attend exactly as its decode would (the C++
+    kernel's short runs go a token at a time). With verification runs in tiles, this prompt's
+    tokens parted at the 16th."""
+    from miniinfer.book.speculation import OPEN_ENDED
+    from miniinfer.core.models import chat_text
+
+    prompt = smollm2.tokenizer.encode(
+        chat_text(smollm2.tokenizer, [{"role": "user", "content": OPEN_ENDED[0]}]),
+        add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    settings = {"forward": "direct", "weights": "int4", "attention_backend": "cpu"}
+    expected = make_engine("prefix-cache", smollm2, **settings).generate([prompt], params)
+    engine = make_engine("speculative", smollm2, **settings)
+    ours = engine.generate([prompt], params).token_ids[0]
+    assert ours == expected.token_ids[0], first_difference(ours, expected.token_ids[0])
+    # Verified drafts, all rejected here: each verification's token came from a 2-5 token run.
+    assert engine.stats.drafted_steps > 0
+
+
 def test_stop_tokens_and_logprobs_inside_accepted_drafts(tiny):
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
     plain = make_engine("continuous", tiny)
