@@ -32,8 +32,8 @@ def preset(engines: tuple[str, ...], chapter: str) -> Preset:
         # CPU and the real SmolLM2 even where a GPU exists: the test suite checks the prose's
         # claims, it does not measure.
         return Preset(name, torch.device("cpu"), "smollm2-135m",
-                      BenchConfig(engines, (1, 4), prompt_len=32, new_tokens=8, warmup=1,
-                                  repeat=2, chapter=chapter))
+                      BenchConfig(engines, (1, 4), prompt_len=32, new_tokens=8, warmup=0,
+                                  repeat=1, chapter=chapter))
     # The sizes `make chapter-NN` records with (book.workloads), so a live run and the
     # recorded one compare like for like.
     device = resolve_device(os.environ.get("MINIINFER_DEVICE", "auto"))
