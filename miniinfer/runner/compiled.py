@@ -28,9 +28,10 @@ request's blocks into a dense tensor in every layer of every step.
   (:mod:`~miniinfer.core.kernels.cpu_decode`); where it does not build, from 64 tokens the
   tokens past a step's first 32 attend *by segment*: an op the graph calls, one SDPA per
   prompt chunk over its own request's K/V (:mod:`.compiled_attention`);
-- **shape buckets**: the token count is padded up to a bucket (powers of two, and 24 and 48
-  where a serving engine's decode batches sit: past 16 tokens a CPU step is compute-bound and
-  every padded token costs its share), so a step only
+- **shape buckets**: the token count is padded up to a bucket (powers of two; 6, where a
+  verification of 4 drafts sits, since past 4 rows each row adds to a CPU step's matmuls; and
+  24 and 48 where a serving engine's decode batches sit: past 16 tokens a CPU step is
+  compute-bound and every padded token costs its share), so a step only
   ever meets a graph compiled for its bucket; the context width is a dynamic dimension of the
   graph (the attention loops run to a symbolic bound). After warm-up nothing recompiles.
   A step runs as the cheapest chunks of buckets (:func:`chunk_sizes`: 259 tokens as 256 + 3,
@@ -101,7 +102,7 @@ class CompileOptions:
     cached on disk) among ``gemm_backends``, in the buckets up to ``autotune_max_tokens``;
     ``freezing``: weights as constants of the graph, prepacked."""
 
-    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
+    token_buckets: tuple[int, ...] = (1, 2, 4, 6, 8, 16, 24, 32, 48, 64, 128, 256, 512)
     max_autotune: bool = True
     # Where a step reads more weights than it computes with (decodes, small mixed steps) the
     # GEMM kernel decides the step's time (at 32 tokens autotuning still made the body 5-7%
