@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..core.hardware import RESULTS_DIR
-from ..core.models import load_model
+from ..core.models import dtype_name, load_model
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from ..engines.speculative import step_costs_file
@@ -64,7 +64,7 @@ def measure_step_costs(lm, *, max_tokens: int = 9, context: int = 256, repeats: 
     base = statistics.median(times[1])
     config = engine.config
     return [{"model": lm.name, "forward": engine.runner.forward_name, "weights": config.weights,
-             "dtype": str(lm.dtype).removeprefix("torch."), "context": context, "tokens": n, "repeats": repeats,
+             "dtype": dtype_name(lm.dtype), "context": context, "tokens": n, "repeats": repeats,
              "step_ms": round(statistics.median(ms), 3), "step_ms_min": round(min(ms), 3),
              "step_ms_max": round(max(ms), 3),
              "relative_cost": round(statistics.median(ms) / base, 4)}

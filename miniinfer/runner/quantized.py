@@ -162,6 +162,15 @@ def _flat(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
 
 
+def _unflat(y: torch.Tensor, x: torch.Tensor, out_features: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """``y``, the product of ``_flat(x)``, in ``x``'s dtype and leading shape, plus ``bias``.
+    Sized by name: a step may need no logits (a prompt's first chunk), and zero rows of -1
+    columns is no shape."""
+    y = y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
 def default_compute_dtype(in_features: int = GROUP) -> torch.dtype:
     """int8 (activations quantized per block in chapter 13's kernel) where the kernel runs and
     a row is whole blocks; else bf16 in PyTorch's weight-only ops."""
@@ -211,10 +220,7 @@ class Int4Linear(Linear):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 _flat(x, self.compute_dtype), self.packed, GROUP, self.scales_and_zeros)
-        # Sized by name: a step may need no logits (a prompt's first chunk), and zero rows
-        # of -1 columns is no shape.
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return _unflat(y, x, self.out_features, self.bias)
 
 
 class Int8Linear(Linear):
@@ -251,10 +257,7 @@ class Int8Linear(Linear):
         else:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.compute_dtype), self.codes,
                                                    self.scales)
-        # Sized by name: a step may need no logits (a prompt's first chunk), and zero rows
-        # of -1 columns is no shape.
-        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        return _unflat(y, x, self.out_features, self.bias)
 
 
 def int4_blocks(lm: LoadedModel) -> dict[str, Q4_1Weight] | None:
