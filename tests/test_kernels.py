@@ -210,6 +210,32 @@ def test_decode_is_varlen_with_one_query(backend):
     torch.testing.assert_close(decode, varlen, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_short_runs_attend_bit_for_bit_as_lone_decodes(backend):
+    """A verification step's tokens (fewer than 16 a request) each attend exactly as a decode
+    of its context would alone: chapter 14's drafts are kept only where the step without them
+    would have chosen the same token, and int8-rounded activations (chapter 13) turn a last-bit
+    difference into another token. Beside a 20-token prompt, the C++ kernel still attends them
+    alone; the reference then batches them with it (correct, not bit for bit)."""
+    require(backend, 16, torch.float32)
+    for q_lens in ([3, 5, 1], [3, 20]):
+        case = make_case(7, [40, 71, 33][:len(q_lens)], q_lens, 16, 3, 64, torch.float32)
+        impl = get_backend(backend, DEVICE)
+        varlen = impl.varlen(case.q, case.k_cache, case.v_cache, case.cu_seqlens_q,
+                             case.block_tables, case.context_lens, case.scale)
+        row = 0
+        for i, q_len in enumerate(q_lens):
+            for j in range(q_len):
+                if q_len < 16 and (backend == "cpu" or max(q_lens) < 16):
+                    context = case.context_lens[i:i + 1] - q_len + j + 1
+                    alone = impl.decode(case.q[row:row + 1], case.k_cache, case.v_cache,
+                                        case.block_tables[i:i + 1], context, case.scale)
+                    assert torch.equal(varlen[row:row + 1], alone), (q_lens, i, j)
+                row += 1
+        torch.testing.assert_close(varlen, naive_attention(case).to(varlen.dtype), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def test_store_kv_round_trip():
     case = make_case(0, [17, 33], [1, 1], 16, 1, 64, torch.float32)
     flat_k = case.k_cache.view(-1, NUM_KV_HEADS, 64)

@@ -164,11 +164,11 @@ def _engine(lm: LoadedModel, system: str, config: SpeculationConfig):
 
 
 def attention_backend(lm: LoadedModel) -> str:
-    """The attention every engine of the recording runs on. On a CPU, chapter 11's C++ kernels
-    where they build: a verification step feeds a request ``k + 1`` tokens, which goes through
-    the varlen kernel, and the reference's varlen copies each request's whole context out of
-    the pool first (on the served `copy` prompts, 125-653 tokens, that copy cost the
-    speculative stage its gain). Elsewhere the engines' own choice."""
+    """The attention every engine of the recording runs on, the same for each so that their
+    tokens compare. On a CPU, chapter 11's C++ kernel where it builds: a verification step feeds
+    a request ``k + 1`` tokens, which the kernel attends in place, where the reference copies
+    each request's whole context out of the pool for every one of them. Elsewhere the engines'
+    own choice."""
     if lm.device.type == "cpu" and unavailable_reason(
             "cpu", lm.device, head_dim=head_dim(lm.config)) is None:
         return "cpu"

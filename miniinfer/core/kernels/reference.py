@@ -35,6 +35,13 @@ import torch.nn.functional as F
 # loop must not have.
 MASK_STALE_ON = {"cuda"}
 
+# A step whose requests all bring fewer new tokens than this attends them one at a time, each as
+# its decode would be (the C++ kernel's kMinTileTokens, the same rule): a verification step's
+# k + 1 tokens then give bit for bit the logits their decodes would have at batch 1 (chapter
+# 14), which matters where activations are rounded to int8 after attention (chapter 13), as a
+# last-bit difference there moves a code.
+DECODE_RUN_TOKENS = 16
+
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -148,11 +155,16 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
     if max_seqlen_q is None:
         max_seqlen_q = int(q_lens.max())
-    # Pad the queries to [batch, max_seqlen_q, ...] so one batched matmul serves every request;
-    # (request, index in request) of each row addresses the padded tensor in both directions.
     rows = torch.arange(q.shape[0], device=q.device)
     seq_of_row = torch.searchsorted(cu_seqlens_q[1:], rows, right=True)
     index_in_seq = rows - cu_seqlens_q[seq_of_row]
+    if max_seqlen_q < DECODE_RUN_TOKENS:
+        # Every run is short (decodes, or drafts to verify): each row is a decode of its own
+        # context. Mixed with a longer prefill, the rows go in the batch as they always did.
+        return _as_decodes(q, k_cache, v_cache, block_tables, context_lens, q_lens, seq_of_row,
+                           index_in_seq, scale)
+    # Pad the queries to [batch, max_seqlen_q, ...] so one batched matmul serves every request;
+    # (request, index in request) of each row addresses the padded tensor in both directions.
     q_padded = q.new_zeros(len(q_lens), max_seqlen_q, *q.shape[1:])
     q_padded[seq_of_row, index_in_seq] = q
     gather = BlockGather(block_tables, context_lens, k_cache.shape[1])
@@ -165,6 +177,22 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     visible &= gather.in_context[:, None, :]
     out = _attend(q_padded, gather(k_cache), gather(v_cache), visible, scale)
     return out[seq_of_row, index_in_seq]
+
+
+def _as_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                block_tables: torch.Tensor, context_lens: torch.Tensor, q_lens: torch.Tensor,
+                seq_of_row: torch.Tensor, index_in_seq: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Each row of ``q`` (token ``index_in_seq[r]`` of request ``seq_of_row[r]``) attended alone,
+    as a decode of its context up to itself. Alone, because SDPA's CPU kernel splits its work
+    over threads by the batch's shape, so a row's sum depends on the rows beside it."""
+    row_context = (context_lens - q_lens)[seq_of_row] + index_in_seq + 1
+    block_size = k_cache.shape[1]
+    return torch.cat([
+        DecodePlan(block_tables[seq:seq + 1], context, block_size)(q[row:row + 1], k_cache,
+                                                                    v_cache, scale)
+        for row, (seq, context) in enumerate(zip(seq_of_row.tolist(),
+                                                 row_context.split(1), strict=True))])
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
