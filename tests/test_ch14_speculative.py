@@ -365,6 +365,7 @@ def test_rollback_keeps_the_accepted_drafts_kv_and_frees_the_rejected_blocks(tin
     # Two request-steps so far, one of them verified a draft; the request's own acceptance
     # estimate (what the draft budget reads) counted 2 kept of the 3 tested.
     assert (engine.stats.request_steps, engine.stats.drafted_steps) == (2, 1)
+    assert engine.stats.kept_drafts == {2: 1}  # the histogram: one drafted step kept 2
     acceptance = engine._drafter(request).acceptance
     assert (acceptance.successes, acceptance.trials) == (2, 3)
     while engine.has_unfinished_requests():
@@ -380,6 +381,7 @@ def test_rollback_keeps_the_accepted_drafts_kv_and_frees_the_rejected_blocks(tin
     one.step()
     one.step()
     assert (one.stats.drafted, one.stats.accepted, one.stats.drafted_steps) == (1, 1, 1)
+    assert one.stats.kept_drafts == {1: 1}
 
 
 def test_drafts_shrink_to_the_token_budget_and_give_way_before_a_preemption(tiny):
@@ -685,24 +687,51 @@ def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics
 
 def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_path):
     from miniinfer.book.results import read_results
-    from miniinfer.book.speculation import SYSTEMS, SpeculationConfig, record_speculation
+    from miniinfer.book.speculation import (
+        DRAFTERS,
+        SYSTEMS,
+        SpeculationConfig,
+        record_speculation,
+    )
 
     words = " ".join(f"word{i}" for i in range(40))
     text = tmp_path / "text.txt"
     text.write_text(f"Title\n\n{words}.\n\n{words} again.\n\nShort.")
-    config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_copies=2,
-                               served_repeat=2)
-    path = record_speculation("cpu", config, lm=tiny, out=tmp_path / "ch14.csv", text_path=text)
+    # The book's recording runs the compiled forward; the direct one rehearses it in seconds.
+    config = SpeculationConfig(num_prompts=1, new_tokens=6, repeat=1, served_clients=3,
+                               served_repeat=2, forward="direct", weights=("dense", "int8"),
+                               step_cost_repeats=1)
+    path = record_speculation("cpu", config, lm=tiny, out=tmp_path / "ch14.csv", text_path=text,
+                              costs_root=tmp_path)
+    # Each weights' verification cost curve, 1-9 tokens, in the step-cost file.
+    costs = read_results(next((tmp_path / "ch14").glob("*-step-costs.csv")))
+    assert sorted(costs.weights) == sorted(["dense", "int8"] * 9)
+    assert (costs.groupby("weights").tokens.apply(sorted) == [list(range(1, 10))] * 2).all()
+    assert (costs[costs.tokens == 1].relative_cost == 1.0).all()
     df = read_results(path)
-    assert set(df.workload) == {"rewrite", "copy", "open-ended"}
+    assert set(df.workload) == {"rewrite", "copy", "open-ended", "grounded"}
     batch1 = df[df.run == "batch-1"]
-    assert sorted(batch1.system) == sorted(SYSTEMS * 3)
+    # HF (with and without its prompt lookup) on the model's own weights only.
+    assert sorted(batch1[batch1.weights == "dense"].system) == sorted(SYSTEMS * 3)
+    assert sorted(batch1[batch1.weights == "int8"].system) == sorted(list(DRAFTERS) * 3)
     assert batch1.same_tokens.astype(str).str.lower().eq("true").all()  # HF's lookup included
+    # The drafters' rows carry the histogram of drafts kept per drafted step, which sums to
+    # the accepted drafts the acceptance rate was counted from.
+    drafted = batch1[batch1.system.isin(["ngram", "suffix"])]
+    assert drafted.kept_drafts.fillna("").str.fullmatch(r"(\d+:\d+( |$))*").all()
+    assert batch1[batch1.system == "no drafts"].kept_drafts.fillna("").eq("").all()
+    for row in drafted[drafted.kept_drafts.fillna("") != ""].itertuples():
+        histogram = {int(k): int(n) for k, n in (p.split(":") for p in row.kept_drafts.split())}
+        steps, kept = sum(histogram.values()), sum(k * n for k, n in histogram.items())
+        assert kept == pytest.approx(row.acceptance_rate * row.drafts_per_drafted_step * steps)
     served = df[df.run == "served"]
-    assert len(served) == 9 and (served.num_prompts == 2).all() and (served.tok_s > 0).all()
+    assert set(served.workload) == {"grounded", "open-ended"}
+    assert len(served) == 2 * 2 * len(DRAFTERS) and (served.num_prompts == 3).all()
+    assert (served.tok_s > 0).all() and (served.ttft_p50_ms > 0).all()
     assert (served.repeats == 2).all() and (served.tok_s_min <= served.tok_s).all() \
         and (served.tok_s <= served.tok_s_max).all()
-    assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy"} <= set(df)
+    assert {"device", "device_name", "dtype", "torch", "git_sha", "date", "busy",
+            "forward"} <= set(df) and set(df.forward) == {"direct"}
     # Every engine on one attention, recorded: on a CPU chapter 11's kernels where they build.
     from miniinfer.core.kernels import unavailable_reason
     head_dim = tiny.config.hidden_size // tiny.config.num_attention_heads

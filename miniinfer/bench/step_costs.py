@@ -37,7 +37,8 @@ FIELDS = ("model", "forward", "weights", "dtype", "context", "tokens", "repeats"
 def measure_step_costs(lm, *, max_tokens: int = 9, context: int = 256, repeats: int = 5,
                        **settings) -> list[dict[str, object]]:
     """One row per token count 1..``max_tokens``: the p50 step time over ``repeats`` rounds,
-    its range, and the p50 over the one-token step's p50 (``relative_cost``)."""
+    its range, and the p50 over the one-token step's p50 (``relative_cost``). ``settings``:
+    the engine's (a ``runner`` among them is used as it is and left running)."""
     if max_tokens < 2:
         raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
     engine = make_engine("speculative", lm, draft_policy="fixed",
@@ -48,7 +49,8 @@ def measure_step_costs(lm, *, max_tokens: int = 9, context: int = 256, repeats: 
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, lm.config.vocab_size - 100, (context,), generator=generator)
     new_tokens = 4 + (1 + repeats) * max_tokens * max_tokens
-    engine.add_request(prompt.tolist(), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    request_id = engine.add_request(prompt.tolist(),
+                                    SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     try:
         while engine.step().num_decodes == 0:  # the prefill (in chunks where it must)
             pass
@@ -60,7 +62,9 @@ def measure_step_costs(lm, *, max_tokens: int = 9, context: int = 256, repeats: 
                 if round_:
                     times[n].append((result.end - result.start) * 1e3)
     finally:
-        engine.close()
+        engine.abort(request_id)  # its blocks back to the pool, which a runner passed in keeps
+        if "runner" not in settings:
+            engine.close()
     base = statistics.median(times[1])
     config = engine.config
     return [{"model": lm.name, "forward": engine.runner.forward_name, "weights": config.weights,

@@ -20,7 +20,8 @@ check them all (:mod:`miniinfer.core.speculative`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -59,6 +60,8 @@ class SpeculationStats:
     request_steps: int = 0  # request-steps that produced tokens
     drafted_steps: int = 0  # of them, the ones that verified a draft
     tokens: int = 0  # tokens those request-steps produced
+    # Drafted request-steps by how many of their drafts they kept (chapter 14's histogram).
+    kept_drafts: Counter[int] = field(default_factory=Counter)
 
     @property
     def acceptance_rate(self) -> float:
@@ -239,6 +242,8 @@ class SpeculativeEngine(PrefixCacheEngine):
         stats.accepted += accepted
         stats.request_steps += 1
         stats.drafted_steps += drafted > 0
+        if drafted:
+            stats.kept_drafts[accepted] += 1
         before = len(request.output_ids)
         super().commit(request, tokens, now)
         appended = len(request.output_ids) - before
