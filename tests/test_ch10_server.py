@@ -168,6 +168,18 @@ def test_http_benchmark_client_gets_the_in_process_tokens(server, tiny):
         assert t.arrival <= t.first_scheduled <= t.first_token <= t.finish
 
 
+def test_at_most_max_concurrency_requests_are_in_flight(server, tiny):
+    """Chapter 15's clients: each sends its next request when its last one is answered."""
+    workload = make_workload(tiny, WorkloadConfig(num_requests=6, prompt_len=(4, 8),
+                                                  output_len=(4, 4), seed=5))
+    run = serve_http(server.base_url, "tiny", workload, max_concurrency=2)
+    spans = sorted((r.timeline.arrival, r.timeline.finish) for r in run.requests)
+    for start, _ in spans:  # at each send, at most one other request is unfinished
+        assert sum(1 for s, f in spans if s < start < f) <= 1
+    assert spans[2][0] >= min(f for _, f in spans[:2]), "the third waited for a client"
+    assert all(len(r.output_ids) == 4 for r in run.requests)
+
+
 ABORTED = 'vllm:request_success_total{finished_reason="abort"}'
 BLOCKS_IN_USE = "miniinfer:kv_blocks_in_use"
 

@@ -53,9 +53,38 @@ def test_the_shipped_file_is_q4_1_and_the_others_are_made_from_it(tmp_path):
 
 @pytest.mark.skipif(not built(), reason="llama.cpp is not built here (make peers-llama)")
 def test_llama_cpp_decodes_the_shipped_q4_1_file():
-    from miniinfer.core.models import _smollm2_gguf
+    from miniinfer.core.models import smollm2_gguf
 
-    (row,) = llama_cpp.batched_bench(_smollm2_gguf(), (2,), prompt_len=8, new_tokens=4,
+    (row,) = llama_cpp.batched_bench(smollm2_gguf(), (2,), prompt_len=8, new_tokens=4,
                                      threads=1, repeats=1)
     assert row["batch_size"] == 2 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
     assert row["decode_tok_s_min"] == row["decode_tok_s_max"] == row["decode_tok_s"]
+
+
+def test_llama_server_missing_says_how_to_build_it(tmp_path, monkeypatch):
+    from miniinfer.bench.peers.llama_server import find_llama_server
+
+    monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path))
+    with pytest.raises(PeerMissingError, match="make peers-llama") as missing:
+        find_llama_server()
+    assert "llama-server" in str(missing.value) and "\n" not in str(missing.value)
+
+
+def test_llama_server_serves_chapter_10s_client_the_tokens_asked(smollm2):
+    """Chapter 15's peer, over HTTP with our client: every request gets exactly its tokens."""
+    from miniinfer.bench.peers.llama_server import find_llama_server, start_llama_server
+    from miniinfer.bench.serving import WorkloadConfig, make_workload
+    from miniinfer.bench.serving.http import serve_http
+    from miniinfer.core.models import smollm2_gguf
+
+    try:
+        find_llama_server()
+    except PeerMissingError as missing:
+        pytest.skip(str(missing))
+    workload = make_workload(smollm2, WorkloadConfig(num_requests=3, prompt_len=(8, 40),
+                                                     output_len=(5, 12), seed=1))
+    with start_llama_server(smollm2_gguf(), smollm2.name, parallel=2, port=8012,
+                            context_per_slot=256) as server:
+        run = serve_http(server.base_url, smollm2.name, workload, max_concurrency=2)
+    assert [len(r.output_ids) for r in run.requests] == [w.max_new_tokens for w in workload]
+    assert server.process.poll() is not None, "stopped when the block ended"

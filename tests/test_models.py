@@ -64,7 +64,7 @@ def test_a_cache_carried_without_weights_serves_the_random_models(tmp_path, monk
     def no_gguf():
         raise AssertionError("the carried cache was not used")
 
-    monkeypatch.setattr("miniinfer.core.models._smollm2_gguf", no_gguf)
+    monkeypatch.setattr("miniinfer.core.models.smollm2_gguf", no_gguf)
     lm = load_model("tiny")
     assert lm.tokenizer.decode(lm.tokenizer("a carried tokenizer")["input_ids"]) \
         == "a carried tokenizer"

@@ -15,7 +15,7 @@ import torch
 from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..bench.peers import PeerMissingError, llama_cpp
 from ..bench.quality import quality_rows
-from ..core.models import LoadedModel, _smollm2_gguf, cache_dir, load_model
+from ..core.models import LoadedModel, cache_dir, load_model, smollm2_gguf
 from .workloads import default_workload
 
 
@@ -25,7 +25,7 @@ def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataF
     repeats = repeats or config.repeat
     speed = device_speed(device, store=True)
     threads = torch.get_num_threads()
-    shipped = _smollm2_gguf()
+    shipped = smollm2_gguf()
     rows = []
     for ours, fmt in llama_cpp.FORMATS.items():
         model = llama_cpp.gguf_file(ours, shipped, cache_dir() / "llama.cpp")

@@ -61,8 +61,8 @@ OPEN_ENDED = (
 class SpeculationConfig:
     # Sized so the chapter records in minutes on 2 cores: every prompt runs through every
     # system (repeat + 1) times at batch 1, on each weights.
-    num_prompts: int = 3  # per workload, at most
-    new_tokens: int = 64
+    num_prompts: int = 2  # per workload, at most
+    new_tokens: int = 48
     repeat: int = 2
     num_draft_tokens: int = 4  # the most a step drafts, ours and HF's prompt lookup alike
     forward: str = "compiled"  # every engine's (chapter 11's); its step costs set the budget

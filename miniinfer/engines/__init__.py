@@ -8,6 +8,7 @@ from ..core.models import LoadedModel
 from .async_loop import AsyncEngine
 from .base import Engine, GenerationResult
 from .compiled import CompiledEngine
+from .composed import ComposedEngine
 from .continuous import ContinuousEngine
 from .hf import HFEngine
 from .naive import NaiveEngine
@@ -24,7 +25,8 @@ ENGINES: dict[str, type[Engine]] = {
     cls.name: cls
     for cls in (HFEngine, NaiveEngine, PagedLoopEngine, PagedVectorizedEngine, PagedPreallocEngine,
                 PagedAttentionEngine, AsyncEngine, ContinuousEngine, PrefixCacheEngine,
-                CompiledEngine, TensorParallelEngine, QuantizedEngine, SpeculativeEngine)
+                CompiledEngine, TensorParallelEngine, QuantizedEngine, SpeculativeEngine,
+                ComposedEngine)
 }
 
 
@@ -66,6 +68,7 @@ def make_engine(name: str, lm: LoadedModel, **options) -> Engine:
     cls, variant_options = resolve_engine(name)
     options = {**variant_options, **options}
     if issubclass(cls, ContinuousEngine):
+        options = {**cls.device_settings(lm.device), **options}
         config = engine_config(name, **options)
         drafting = SpeculativeEngine if config.speculative is not None else ContinuousEngine
         if issubclass(cls, SpeculativeEngine) != issubclass(drafting, SpeculativeEngine):

@@ -111,7 +111,8 @@ class ContinuousEngine(Engine):
         """``config`` and ``options`` (any :class:`EngineConfig` field) say how it runs; the
         stage's ``preset`` applies first, ``options`` last."""
         super().__init__(lm)
-        self.config = config = EngineConfig.of(config, **{**self.preset, **options})
+        self.config = config = EngineConfig.of(
+            config, **{**self.preset, **self.device_settings(lm.device), **options})
         # Chapter 09: a block manager that remembers prefixes, a scheduler that admits past them.
         manager, scheduler = ((PrefixCacheBlockManager, PrefixCacheScheduler)
                               if config.prefix_caching else (BlockManager, Scheduler))
@@ -120,6 +121,12 @@ class ContinuousEngine(Engine):
         self.scheduler = scheduler(config.scheduler, self.kv_cache.block_manager)
         self.requests: dict[RequestId, Request] = {}  # unfinished ones
         self._next_id = 0
+
+    @classmethod
+    def device_settings(cls, device: torch.device) -> dict[str, object]:
+        """Settings the stage takes on ``device`` over its preset (none: the preset holds
+        everywhere); options given by name still win."""
+        return {}
 
     @property
     def weight_bytes(self) -> int | None:

@@ -265,9 +265,9 @@ def int4_blocks(lm: LoadedModel) -> dict[str, Q4_1Weight] | None:
     ship as Q4_1."""
     if lm.name != "smollm2-135m":
         return None
-    from ..core.models import _smollm2_gguf
+    from ..core.models import smollm2_gguf
 
-    return read_q4_1(_smollm2_gguf(), lm.config)
+    return read_q4_1(smollm2_gguf(), lm.config)
 
 
 def quantize_model(model: Model, bits: str, blocks: dict[str, Q4_1Weight] | None = None,

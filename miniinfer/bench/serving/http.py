@@ -58,16 +58,32 @@ async def _send(client: httpx.AsyncClient, model: str, w: WorkloadRequest,
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(f"request {w.index}: {chunk['error']['message']}")
-            ids = chunk["choices"][0]["token_ids"]
+            choice = chunk["choices"][0]
+            ids = choice.get("token_ids")  # vLLM's extension, and ours
+            if ids is None:
+                # llama-server streams one token a chunk as text only (its id unknown here:
+                # -1), and ends with a chunk that carries none but the finish reason.
+                ids = [] if choice.get("finish_reason") else [-1]
             output_ids += ids
             timeline.token_times += [now] * len(ids)
     timeline.finish = timeline.token_times[-1]
     return ServedRequest(w.index, len(w.prompt_ids), output_ids, timeline)
 
 
-async def _serve(base_url: str, model: str, workload: Sequence[WorkloadRequest]) -> ServingRun:
-    # No connection limit: every request of the workload may be in flight at once.
+async def _serve(base_url: str, model: str, workload: Sequence[WorkloadRequest],
+                 max_concurrency: int | None = None) -> ServingRun:
+    # No connection limit: every request of the workload may be in flight at once, or at most
+    # max_concurrency of them (that many clients, each sending its next request when its last
+    # one has finished, as vLLM's benchmark does with --max-concurrency).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def send(w: WorkloadRequest, send_at: float) -> ServedRequest:
+        if gate is None:
+            return await _send(client, model, w, send_at)
+        async with gate:
+            return await _send(client, model, w, send_at)
+
     async with httpx.AsyncClient(base_url=base_url, timeout=None, limits=limits) as client:
         served = await client.get("/models")
         served.raise_for_status()
@@ -76,16 +92,18 @@ async def _serve(base_url: str, model: str, workload: Sequence[WorkloadRequest])
             raise InvalidRequestError(f"the server at {base_url} serves {', '.join(names)}, "
                                       f"not {model}")
         start = time.perf_counter()
-        requests = await asyncio.gather(*(_send(client, model, w, start + w.arrival_s)
-                                          for w in workload))
+        requests = await asyncio.gather(*(send(w, start + w.arrival_s) for w in workload))
     return ServingRun(HTTP_SYSTEM, start, sorted(requests, key=lambda r: r.index))
 
 
-def serve_http(base_url: str, model: str, workload: Sequence[WorkloadRequest]) -> ServingRun:
-    """Send the workload to the server at ``base_url`` (ending in ``/v1``) in real time."""
+def serve_http(base_url: str, model: str, workload: Sequence[WorkloadRequest],
+               max_concurrency: int | None = None) -> ServingRun:
+    """Send the workload to the server at ``base_url`` (ending in ``/v1``) in real time, at
+    most ``max_concurrency`` requests in flight (None: no limit)."""
     # A thread of its own: where an event loop already runs (Jupyter's), asyncio.run refuses.
     with ThreadPoolExecutor(max_workers=1) as worker:
-        return worker.submit(asyncio.run, _serve(base_url.rstrip("/"), model, workload)).result()
+        return worker.submit(asyncio.run, _serve(base_url.rstrip("/"), model, workload,
+                                                 max_concurrency)).result()
 
 
 def run_http_bench(lm: LoadedModel, base_url: str, workload: WorkloadConfig,
