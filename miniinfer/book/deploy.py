@@ -258,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", default="1,4,16", help="client counts, comma-separated")
-    parser.add_argument("--systems", default=",".join(DeployConfig.systems))
+    defaults = DeployConfig()
+    parser.add_argument("--systems", default=",".join(defaults.systems))
     parser.add_argument("--no-ablation", action="store_true")
     args = parser.parse_args(argv)
     config = DeployConfig(clients=tuple(int(c) for c in args.clients.split(",")),
                           systems=tuple(args.systems.split(",")),
-                          ablation=() if args.no_ablation else DeployConfig.ablation)
+                          ablation=() if args.no_ablation else defaults.ablation)
     record_deploy("cpu", config)
     return 0
 
