@@ -689,7 +689,7 @@ def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_pat
     from miniinfer.book.results import read_results
     from miniinfer.book.speculation import (
         DRAFTERS,
-        SYSTEMS,
+        HF_SYSTEMS,
         SpeculationConfig,
         record_speculation,
     )
@@ -711,8 +711,11 @@ def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_pat
     df = read_results(path)
     assert set(df.workload) == {"rewrite", "copy", "open-ended", "grounded"}
     batch1 = df[df.run == "batch-1"]
-    # HF (with and without its prompt lookup) on the model's own weights only.
-    assert sorted(batch1[batch1.weights == "dense"].system) == sorted(SYSTEMS * 3)
+    # HF (with and without its prompt lookup) on the model's own weights only, on two
+    # workloads.
+    dense = batch1[batch1.weights == "dense"]
+    assert sorted(dense.system) == sorted(list(DRAFTERS) * 3 + list(HF_SYSTEMS) * 2)
+    assert set(dense[dense.system.isin(HF_SYSTEMS)].workload) == set(config.hf_workloads)
     assert sorted(batch1[batch1.weights == "int8"].system) == sorted(list(DRAFTERS) * 3)
     assert batch1.same_tokens.astype(str).str.lower().eq("true").all()  # HF's lookup included
     # The drafters' rows carry the histogram of drafts kept per drafted step, which sums to
