@@ -34,7 +34,14 @@ from ..bench.peers import PeerMissingError
 from ..bench.serving.http import serve_http
 from ..bench.serving.metrics import summarize
 from ..bench.serving.workloads import WorkloadRequest
-from ..core.models import LoadedModel, chat_text, load_model, resolve_device, smollm2_gguf
+from ..core.models import (
+    LoadedModel,
+    chat_text,
+    dtype_name,
+    load_model,
+    resolve_device,
+    smollm2_gguf,
+)
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from .speculation import OPEN_ENDED, TEXT, input_grounded_tasks
@@ -242,7 +249,8 @@ def record_deploy(device: torch.device | str | None = "cpu", config: DeployConfi
         rows += ablation_rows(lm, config, prompts)
     from ..bench.peers.llama_cpp import version as llama_version
 
-    meta = {**run_metadata(dev), "model": lm.name, "new_tokens": config.new_tokens,
+    meta = {**run_metadata(dev), "model": lm.name, "dtype": dtype_name(lm.dtype),
+            "new_tokens": config.new_tokens,
             "llama_cpp": llama_version(), **guard.columns()}
     df = pd.DataFrame([{**meta, **row} for row in rows])
     out = out or results_path(dev)
