@@ -56,6 +56,26 @@ def test_a_readers_recording_goes_to_their_folder_and_changes_no_text(readers_fo
     assert "cpu-a-readers-laptop" in (readers_folder / "devices.csv").read_text()
 
 
+def test_a_readers_notebook_run_goes_beside_their_recordings_not_over_the_book(tmp_path,
+                                                                                monkeypatch):
+    """`make chapter-NN` executes the notebook; only `--for-book` writes it over the stored
+    one, which is the book."""
+    import nbclient
+
+    from miniinfer.book import repro
+
+    monkeypatch.setattr(repro, "YOURS_DIR", tmp_path / "yours")
+    executed = []
+    monkeypatch.setattr(nbclient.NotebookClient, "execute",
+                        lambda self: executed.append(self.nb) or self.nb)
+    stored = (CHAPTERS_DIR / CHAPTERS["14"].notebook).read_bytes()
+    repro.execute_notebook("14")
+    assert executed and (CHAPTERS_DIR / CHAPTERS["14"].notebook).read_bytes() == stored
+    yours = tmp_path / "yours" / "notebooks" / CHAPTERS["14"].notebook
+    assert yours.exists() and repro.executed_notebook_path("14", False) == yours
+    assert repro.executed_notebook_path("14", True) == CHAPTERS_DIR / CHAPTERS["14"].notebook
+
+
 def test_a_recording_for_the_book_goes_to_the_books_folder(readers_folder, monkeypatch):
     monkeypatch.setenv(devices.FOR_BOOK_ENV, "1")
     assert results_path("01", torch.device("cpu")).is_relative_to(RESULTS)

@@ -1,5 +1,5 @@
 """What ``make chapter-NN`` runs: the chapter's recording on this machine, then its notebook
-re-executed in place; and what ``python -m miniinfer repro all`` runs: every chapter's
+executed (into ``data/yours/notebooks/``; over the stored one only with ``--for-book``); and what ``python -m miniinfer repro all`` runs: every chapter's
 recording in order. What a chapter records is its entry in the chapter registry
 (:mod:`miniinfer.book.chapters`); the recordings are :mod:`miniinfer.book.recordings`, their
 plans and time estimates :mod:`miniinfer.book.plans`.
@@ -24,6 +24,7 @@ import torch
 
 from ..bench.devices import FOR_BOOK_ENV, REPO_ROOT, RESULTS_DIR, git_sha
 from ..core.errors import MiniInferError, UnknownNameError
+from ..core.hardware import YOURS_DIR
 from ..core.models import resolve_device
 from .chapters import CHAPTERS
 from .overview import CHAPTERS_DIR
@@ -31,22 +32,34 @@ from .plans import ChapterPlan, plan_chapter, plan_table
 from .recordings import RECORDERS, run_chapter_context
 
 
-def execute_notebook(chapter: str) -> None:
-    """Re-execute the chapter notebook in place with the full preset. Headless machines
-    without jupyter (our GPU box) skip this step; the CSV is what they contribute."""
+def executed_notebook_path(chapter: str, for_book: bool) -> Path:
+    """Where the chapter's executed notebook goes: over the stored one only when recording the
+    book (the stored notebooks are the book); a reader's run goes beside their recordings."""
+    name = CHAPTERS[chapter].notebook
+    return CHAPTERS_DIR / name if for_book else YOURS_DIR / "notebooks" / name
+
+
+def execute_notebook(chapter: str, for_book: bool = False) -> None:
+    """Execute the chapter notebook with the full preset into
+    :func:`executed_notebook_path`. Headless machines without jupyter (our GPU box) skip this
+    step; the CSV is what they contribute."""
     try:
         import nbformat
         from nbclient import NotebookClient
     except ImportError:
         print("nbclient not installed: notebook not re-executed (the CSV is written)")
         return
-    path = CHAPTERS_DIR / CHAPTERS[chapter].notebook
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(CHAPTERS_DIR / CHAPTERS[chapter].notebook, as_version=4)
     os.environ.setdefault("MINIINFER_PRESET", "full")
+    # Run where the stored notebook lives, whatever file the result goes to: its cells read
+    # paths relative to chapters/.
     NotebookClient(nb, timeout=3600, kernel_name="python3",
                    resources={"metadata": {"path": str(CHAPTERS_DIR)}}).execute()
-    nbformat.write(nb, path)
-    print(f"re-executed {path.relative_to(REPO_ROOT)}")
+    out = executed_notebook_path(chapter, for_book)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, out)
+    print(f"executed notebook: {out}"
+          + ("" if for_book else " (yours; open it in JupyterLab beside the book's)"))
 
 
 REPRO_LOGS = RESULTS_DIR / "logs"
@@ -119,7 +132,7 @@ def reproduce(chapter: str, device: str | None = "auto", execute_notebook_too: b
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     if execute_notebook_too:
-        execute_notebook(chapter)
+        execute_notebook(chapter, for_book)
     if for_book:
         log_chapter(log, chapter, dev, time.perf_counter() - started, execute_notebook_too)
 
