@@ -3,6 +3,8 @@ error where it did not, its benchmark's rows read back; run for real only where 
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -83,7 +85,10 @@ def test_llama_server_serves_chapter_10s_client_the_tokens_asked(smollm2):
         pytest.skip(str(missing))
     workload = make_workload(smollm2, WorkloadConfig(num_requests=3, prompt_len=(8, 40),
                                                      output_len=(5, 12), seed=1))
-    with start_llama_server(smollm2_gguf(), smollm2.name, parallel=2, port=8012,
+    with socket.socket() as probe:  # a port free now, so no other run's server is in the way
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with start_llama_server(smollm2_gguf(), smollm2.name, parallel=2, port=port,
                             context_per_slot=256) as server:
         run = serve_http(server.base_url, smollm2.name, workload, max_concurrency=2)
     assert [len(r.output_ids) for r in run.requests] == [w.max_new_tokens for w in workload]

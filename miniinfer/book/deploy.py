@@ -266,12 +266,22 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", default="1,4,16", help="client counts, comma-separated")
+    def counts(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(c) for c in text.split(","))
+        except ValueError:
+            values = ()
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"need client counts >= 1, e.g. 1,4,16; got {text!r}")
+        return values
+
+    parser.add_argument("--clients", type=counts, default=(1, 4, 16),
+                        help="client counts, comma-separated")
     defaults = DeployConfig()
     parser.add_argument("--systems", default=",".join(defaults.systems))
     parser.add_argument("--no-ablation", action="store_true")
     args = parser.parse_args(argv)
-    config = DeployConfig(clients=tuple(int(c) for c in args.clients.split(",")),
+    config = DeployConfig(clients=args.clients,
                           systems=tuple(args.systems.split(",")),
                           ablation=() if args.no_ablation else defaults.ablation)
     record_deploy("cpu", config)

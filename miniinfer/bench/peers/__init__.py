@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,15 @@ def find_vllm(venv: Path | None = None) -> PeerInstall:
     return PeerInstall(python, found["package"], found["version"])
 
 
+def answers(url: str) -> bool:
+    """Whether a peer's server answers ``url`` with 200 (its readiness check)."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def check_peer(name: str) -> PeerInstall:
     """The install behind a peer's name (only ``vllm`` so far), checked before a model loads."""
     if name != VLLM:
@@ -92,4 +103,4 @@ def check_peer(name: str) -> PeerInstall:
 
 
 __all__ = ["INSTALL_HINT", "PEERS", "PEERS_VENV_ENV", "VLLM", "PeerInstall", "PeerMissingError",
-           "check_peer", "find_vllm", "peers_venv"]
+           "answers", "check_peer", "find_vllm", "peers_venv"]

@@ -19,14 +19,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import PeerMissingError
+from . import PeerMissingError, answers
 from .llama_cpp import INSTALL_HINT, llama_cpp_dir, version
+from .vllm_peer import stop_process
 
 STARTUP_TIMEOUT_S = 120.0
 
@@ -61,24 +60,6 @@ class LlamaServer:
         self.close()
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def server_args(gguf: Path, served_model_name: str, *, port: int, host: str, threads: int,
                 parallel: int, context_per_slot: int) -> list[str]:
     """The command line: the settings llama.cpp's server documentation gives for serving
@@ -105,9 +86,9 @@ def start_llama_server(gguf: Path, served_model_name: str, *, port: int = 8002,
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     server = LlamaServer(process, f"http://{host}:{port}/v1", Path(log.name), version())
-    server._finalizer = weakref.finalize(server, _stop, process)
+    server._finalizer = weakref.finalize(server, stop_process, process, log, 0)
     deadline = time.monotonic() + timeout_s
-    while not _answers(f"{server.base_url}/models"):
+    while not answers(f"{server.base_url}/models"):
         if process.poll() is not None or time.monotonic() > deadline:
             server.close()
             why = f"exited with status {process.returncode}" if process.returncode is not None \

@@ -17,13 +17,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import PEERS_DIR, find_vllm
+from . import PEERS_DIR, answers, find_vllm
 from .vllm_peer import DEFAULT_KV_CACHE_GIB, STARTUP_TIMEOUT_S, log_tail, peer_env, stop_process
 
 LAUNCHER = PEERS_DIR / "vllm_launch.py"
@@ -49,14 +47,6 @@ class VLLMServer:
         self.close()
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def start_vllm_server(model_dir: Path, served_model_name: str, *, port: int = 8001,
                       host: str = "127.0.0.1", dtype: str = "float32",
                       max_num_batched_tokens: int | None = None,
@@ -76,7 +66,7 @@ def start_vllm_server(model_dir: Path, served_model_name: str, *, port: int = 80
     server = VLLMServer(process, f"http://{host}:{port}/v1", Path(log.name), install.label)
     server._finalizer = weakref.finalize(server, stop_process, process, log, 0)
     deadline = time.monotonic() + timeout_s
-    while not _answers(f"{server.base_url}/models"):
+    while not answers(f"{server.base_url}/models"):
         if process.poll() is not None or time.monotonic() > deadline:
             server.close()
             why = f"exited with status {process.returncode}" if process.returncode is not None \
