@@ -41,7 +41,13 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 chapter-%: setup
 	$(PYTHON) -m miniinfer repro $*
 
+# The stored notebooks are the book: a test run executes them and writes nothing back. The
+# suite's last step checks it, against a checksum of chapters/ taken at its start.
+CHAPTERS_SUM = find chapters -type f -not -path '*/.ipynb_checkpoints/*' | LC_ALL=C sort \
+  | xargs sha256sum | sha256sum
+
 test: setup
+	@mkdir -p build && $(CHAPTERS_SUM) > build/chapters-before.sha256
 	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_openmp.py
 	OMP_NUM_THREADS=1 $(PYTHON) -m pytest -q --durations=15 $(XDIST) tests \
 	  --ignore=tests/test_openmp.py
@@ -50,6 +56,8 @@ test: setup
 	# The book as a website, built from the notebooks as stored and checked in a real browser
 	# (about a minute; installs its own tools and Debian's chromium on first use).
 	$(MAKE) book-check
+	@$(CHAPTERS_SUM) | cmp -s - build/chapters-before.sha256 \
+	  || { echo "make test changed chapters/ (the stored book): git status -- chapters" >&2; exit 1; }
 
 lint: setup
 	$(PYTHON) -m ruff check miniinfer tests

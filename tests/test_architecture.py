@@ -82,6 +82,24 @@ def test_book_modules_stay_small():
         assert len(path.read_text().splitlines()) <= 400, path.name
 
 
+# A measured figure: a time, a rate or a share ("97 us", "106.6 tokens/s", "0.6x", "30%"), not
+# a formula ("2 x layers"), a count of things or a size that is arithmetic (a model's bytes).
+MEASURED = re.compile(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?(?:\s*(?:ms|us|µs|tok/s|tokens/s|GB/s|"
+                      r"%|seconds)\b|x\b)")
+
+
+def test_module_docstrings_say_why_not_how_fast():
+    """Measured numbers belong in the notebooks and the lab notes, where their host is named."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if hits := [m.group(0) for m in MEASURED.finditer(doc)]:
+            found[str(path.relative_to(REPO))] = hits
+    assert not found, found
+    assert MEASURED.search("took 97 us per layer") and MEASURED.search("0.4-0.6x its time")
+    assert not MEASURED.search("2 x layers copies") and not MEASURED.search("210 projections")
+
+
 def test_continuous_engine_inherits_no_static_batch_engine():
     assert PagedLoopEngine not in ContinuousEngine.__mro__
     for cls in (ENGINES["continuous"], ENGINES["prefix-cache"]):

@@ -442,6 +442,38 @@ def test_every_chapter_is_at_most_2500_words_of_prose_and_names_no_commit():
         assert not found, f"{chapter.notebook} names commits in its prose: {found}"
 
 
+# An assert whose message or comment points at the prose, or a map of the verdicts the prose gives.
+PROSE_CHECK = re.compile(r"\b(?:the text|the prose|the introduction|says?|said)\b|said = \{")
+MAX_TEACHING_ASSERTS = 3
+PRINTED_COMMIT = re.compile(r"git \{|\.git_sha\b|\[\"git_sha\"\]")
+
+
+def test_teaching_cells_hold_few_asserts_none_checking_the_prose_nor_printing_a_commit():
+    """A check a reader learns from (the tokens equal hf's, every block is free again) may stay;
+    the facts the prose states are checked by tests (test_chapter_facts.py), and the commit a
+    table was recorded at is the lab notes' business."""
+    for chapter in CHAPTERS.values():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        asserts = [line.strip() for text in code for line in text.splitlines()
+                   if line.lstrip().startswith("assert ")]
+        assert len(asserts) <= MAX_TEACHING_ASSERTS, f"{chapter.notebook}: {asserts}"
+        quoting = [line for line in asserts if PROSE_CHECK.search(line)]
+        quoting += [line for text in code for line in text.splitlines() if "said = {" in line]
+        assert not quoting, f"{chapter.notebook} checks its prose in a teaching cell: {quoting}"
+        assert not any(PRINTED_COMMIT.search(text) for text in code), \
+            f"{chapter.notebook} shows the commit a table was recorded at"
+
+
+def test_every_chapter_ends_with_links_to_its_neighbours_and_the_map():
+    from miniinfer.book.chapters import chapter_nav
+
+    for number, chapter in CHAPTERS.items():
+        cells = json.loads((CHAPTERS_DIR / chapter.notebook).read_text())["cells"]
+        last = "".join([c for c in cells if c["cell_type"] == "markdown"][-1]["source"])
+        assert last.rstrip().endswith(chapter_nav(number)), f"{chapter.notebook}: {last[-200:]}"
+
+
 def test_the_commit_pattern_finds_what_lab_notes_write():
     assert COMMIT.search("recorded at git 4b9aa69 on the Zen 3")
     assert COMMIT.search("the sweep measures every length first (since `8e8f58b`)")

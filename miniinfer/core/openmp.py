@@ -10,15 +10,11 @@ is hundreds of short regions, and each then begins by waking a worker through th
 
 That is the usual shape of a server or a benchmark: the model is loaded (and its graphs
 compiled) in the main thread, which leaves a team behind, and the engine is stepped from
-another thread, which gets a second one. On a 2-core Zen 3 (AVX2), chapter 11's target
-workload on the ``compiled`` stage (fp32) made 115.6 output tokens/s with everything in the
-main thread and 97.8 when served from a worker thread after loading in the main one (median of
-3 runs each, one process per setting; single runs 93-116), with about 90,000 voluntary context
-switches a run against fewer than 20. :func:`release_openmp_threads`, called by the thread
-that loaded the model before another takes over, gives its team back (OpenMP 5.0's
-``omp_pause_resource_all``): served from the worker thread after that, 106.6 tokens/s and
-again fewer than 30 switches. (The rest of the gap to the main thread we have not explained;
-the worker's first run is also slower, while its allocator arena grows.)
+another thread, which gets a second one. Two teams on two cores
+oversubscribe them: the served engine runs slower and switches context tens of thousands of
+times a run (measured: data/results/ch11/NOTES.md). :func:`release_openmp_threads`, called by
+the thread that loaded the model before another takes over, gives its team back (OpenMP 5.0's
+``omp_pause_resource_all``).
 """
 
 from __future__ import annotations

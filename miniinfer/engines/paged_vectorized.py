@@ -9,9 +9,9 @@ what ``pool[layer][:, slot_mapping]`` means. Everything else is inherited.
 It is written as ``index_select`` over the flattened slot mapping rather than as that
 advanced-indexing expression. Both give the same tensor, but each slot is a contiguous
 ``kv_heads x head_dim`` row, and ``index_select`` copies such rows whole, while advanced
-indexing on a CPU computes an offset per element: on our 2-core CPU, for SmolLM2-sized layers at
-batch 8, the expression took 97 us per layer and ``index_select`` 41 us (chapter 03's notebook
-measures it on the reader's machine).
+indexing on a CPU computes an offset per element: for SmolLM2-sized layers the
+expression is the slower of the two (chapter 03's notebook measures both on the reader's
+machine).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Chapter 06's :class:`~miniinfer.runner.direct.DirectForward` removed HF's module tree,
 and on a CPU it still decodes at HF-eager speed. Where a decode step's time goes there (the
-guide's "CPU speed" section): the matmuls through ``F.linear`` run at about 11 GB/s of weights
-read, well under the machine's copy bandwidth; RMSNorm, RoPE and SiLU-times-up are separate
+guide's "CPU speed" section): the matmuls through ``F.linear`` read their weights well under the machine's copy bandwidth; RMSNorm, RoPE and SiLU-times-up are separate
 passes over small tensors, each a dispatch; and the CPU attention reference copies every
 request's blocks into a dense tensor in every layer of every step.
 

@@ -3,12 +3,11 @@
 Profiled on the same workload, vLLM's CPU decode steps spend three quarters of their time in
 one op, oneDNN's matmul over weights it reordered once, at load, into the blocked layout its
 kernels read fastest. Ours spent theirs in MKL's ``sgemm`` (through ``F.linear``) or in
-inductor's C++ GEMM template. On our 2-core CPU, over SmolLM2's 210 body projections with
-weights streamed from memory as in a real step, the prepacked oneDNN matmul took 0.4-0.6x
-``F.linear``'s time from 4 to 64 rows (22 vs 54 ms at 4 rows, 44 vs 103 ms at 32; one run),
-and whole decode steps of 16 and 32 tokens 0.75x and 0.6x the autotuned template's. At 1-8
-rows the template was as fast or faster, so the compiled forward uses oneDNN from 16 tokens
-(on a CPU with AVX2 only, from 48: there the template won at 16-32 rows; see CompileOptions).
+inductor's C++ GEMM template. Over SmolLM2's body projections
+the prepacked oneDNN matmul beat ``F.linear`` from 4 rows up and the autotuned template from
+16 tokens, while at 1-8 rows the template was as fast or faster (measured:
+data/results/ch11/NOTES.md), so the compiled forward uses oneDNN from 16 tokens (on a CPU with
+AVX2 only, from 48; see CompileOptions).
 
 Inductor's own freezing pass packs fp32 weights for MKL, not oneDNN, and its on-disk cache
 cannot store packed tensors (a second process would compile every graph again). So the packing
@@ -20,7 +19,7 @@ a device oneDNN does not serve) goes through ``F.linear``: slower, never wrong.
 
 The packed copy is a second copy of the weights (SmolLM2-135M: about 0.5 GB in fp32). One
 copy serves every row count: oneDNN packs for a row-count hint, and a copy packed for 8 or 32
-rows ran as fast at 4-64 rows as copies packed for each (packed for 1 row it was 1.5x slower).
+rows ran as fast at 4-64 rows as copies packed for each (packed for 1 row it was slower).
 
 The model's projections are already fused (a layer's query, key and value projections run as
 one matmul, and so do its gate and up projections: :mod:`.model`), so packing is a swap of

@@ -28,7 +28,7 @@ up, a row per token, so it stays as HF loads it; the LM head, a third of SmolLM2
 runs as :class:`Int8Linear` in both variants (8 bits, as the file ships it, but per channel
 where the file has a scale per 32 weights: the op takes one scale per output row).
 
-PyTorch's ops are slow with fp32 activations on a CPU (the int4 one by 30-50x: a plain loop,
+PyTorch's ops are slow with fp32 activations on a CPU (the int4 one by far: a plain loop,
 where bf16 has vectorised kernels), so off the kernel the linears compute in bf16 and hand back
 the model's dtype; the rest of the model (norms, RoPE, attention) stays fp32 either way.
 A model without a shipped GGUF (the tiny test model, a random-weight config) gets its int4

@@ -1,7 +1,7 @@
 """Text in and text out for the server, bounded so that no input can stall the event loop.
 
 A tokenizer call holds the GIL for as long as it runs (HF's fast tokenizers release it for
-part of an encode at best), so a 20 MB prompt would freeze every stream for seconds wherever
+part of an encode at best), so a prompt of many megabytes would freeze every stream for seconds wherever
 it ran. Three things keep a prompt cheap:
 
 - a bound before any tokenising: no token of the vocabulary spells more than
