@@ -131,3 +131,24 @@ def test_ch14_speculation_keeps_the_tokens_and_wins_where_the_chapter_says():
             got = "".join(verdict(by.loc[(run, workload, s)], base)
                           for s in ("speculative", "speculative:fixed"))
             assert got == expected, (run, workload, got)
+
+
+def test_ch11_compiled_makes_the_multiples_of_hf_the_chapter_states():
+    """Chapter 11: "1.48 times hf's tokens per second offline at batch 1 and 1.37 times at
+    batch 8" on the reference CPU."""
+    runs = recorded_results("11")
+    runs = runs[runs.device.astype(str).str.startswith("cpu") & (runs.engine == "compiled")]
+    if runs.empty:
+        pytest.skip("no reference recording of chapter 11")
+    said = {1: "1.48", 8: "1.37"}
+    got = {int(b): f"{pct / 100:.2f}" for b, pct in zip(runs.batch_size, runs.pct_of_hf)}
+    assert got == said
+
+
+def test_ch05_the_h200s_eager_step_takes_what_the_chapter_states():
+    """Chapter 05: an eager H200 step "takes 22-24 ms unprofiled"."""
+    runs = recorded_results("05")
+    runs = runs[runs.device.astype(str).str.startswith("cuda") & runs.step_ms.notna()]
+    if runs.empty:
+        pytest.skip("no GPU recording of chapter 05")
+    assert round(runs.step_ms.min()) == 22 and round(runs.step_ms.max()) == 24, runs.step_ms.tolist()
