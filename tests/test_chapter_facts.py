@@ -141,7 +141,7 @@ def test_ch11_compiled_makes_the_multiples_of_hf_the_chapter_states():
     if runs.empty:
         pytest.skip("no reference recording of chapter 11")
     said = {1: "1.48", 8: "1.37"}
-    got = {int(b): f"{pct / 100:.2f}" for b, pct in zip(runs.batch_size, runs.pct_of_hf)}
+    got = {int(b): f"{pct / 100:.2f}" for b, pct in zip(runs.batch_size, runs.pct_of_hf, strict=True)}
     assert got == said
 
 
