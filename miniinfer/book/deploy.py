@@ -76,6 +76,7 @@ class DeployConfig:
     clients: tuple[int, ...] = (1, 4, 16)
     requests_per_client: int = 2  # a run sends clients x this many requests
     new_tokens: int = 64
+    served_repeats: int = 2  # runs of each (workload, clients) per server, after its warm-up
     systems: tuple[str, ...] = ("composed", "llama-server", "vllm")
     ablation_clients: int = 4
     ablation_repeats: int = 2
@@ -163,16 +164,25 @@ def served_rows(lm: LoadedModel, config: DeployConfig, prompts: dict[str, list[l
                 warm_up = [replace(w, max_new_tokens=8) for w in
                            requests_for(prompts[workload], clients, config)[:clients]]
                 serve_http(server.base_url, lm.name, warm_up, max_concurrency=clients)
-                run = serve_http(server.base_url, lm.name,
-                                 requests_for(prompts[workload], clients, config),
-                                 max_concurrency=clients)
+                runs_of = [summarize(serve_http(server.base_url, lm.name,
+                                                requests_for(prompts[workload], clients, config),
+                                                max_concurrency=clients))
+                           for _ in range(config.served_repeats)]
                 rows.append({"part": "peers", "system": system, "workload": workload,
-                             "clients": clients, **summarize(run)})
+                             "clients": clients, **median_run(runs_of)})
             memory = peak_rss_mib(server.process.pid)
         for row in rows:
             if row["system"] == system:
                 row["peak_rss_mib"] = memory
     return rows
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output tok/s (its latencies with it), and the range of all runs."""
+    ranked = sorted(runs, key=lambda r: r["output_throughput"])
+    rates = [r["output_throughput"] for r in ranked]
+    return {**ranked[(len(ranked) - 1) // 2], "output_throughput_min": rates[0],
+            "output_throughput_max": rates[-1], "repeats": len(runs)}
 
 
 def _closed_loop(engine, requests: list[list[int]], clients: int,
