@@ -323,9 +323,7 @@ def test_stage_results_take_each_stage_from_the_chapter_that_adds_it(monkeypatch
 
 def test_package_map_assigns_each_stage_module_to_its_chapter():
     modules = package_map().set_index("module")
-    # Chapter 15's stage has no chapter until the reference machine records it (issue 83):
-    # the only stage without one, and the map says so.
-    assert [name for name in ENGINES if chapter_of_stage(name) is None] == ["composed"]
+    assert all(chapter_of_stage(name) is not None for name in ENGINES)
     for cls in ENGINES.values():
         assert modules.loc[cls.__module__, "chapter"] == (chapter_of_stage(cls.name) or "-")
     assert modules.loc["miniinfer.core.kernels.reference", "chapter"] == "06"  # a package's children

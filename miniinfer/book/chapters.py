@@ -27,6 +27,8 @@ RECORDINGS = {
                  "GGUF (Q4_1, Q8_0, F32)",
     "speculative": "input-grounded (rewrite, copy) and open-ended chat prompts at batch 1 and "
                    "served, beside transformers' prompt lookup",
+    "composed": "the whole engine served from 1, 4 and 16 clients beside llama-server and vLLM "
+                "where built, then an ablation",
 }
 
 
@@ -149,6 +151,11 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             modules=("miniinfer.core.speculative", "miniinfer.book.speculation"),
             recording="speculative",
             engines=("prefix-cache", "speculative", "speculative:fixed", "hf")),
+    Chapter("15", "15_the_whole_engine",
+            "The whole engine, served: every optimisation at once, against llama.cpp and vLLM",
+            stages=("composed",), modules=("miniinfer.book.deploy",
+                                           "miniinfer.bench.peers.llama_server"),
+            recording="composed", engines=("composed", "llama-server", "vllm")),
 )}
 
 

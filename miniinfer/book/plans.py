@@ -303,6 +303,31 @@ def chapter14_plan(device: torch.device) -> ChapterPlan:
                        costs.load_s + compile_s + alone + served)
 
 
+def chapter15_plan(device: torch.device) -> ChapterPlan:
+    """book.deploy: each server started in turn (ours compiles every bucket before it answers;
+    vLLM counted whether or not the peer is built: an upper bound), every workload from each
+    client count after a short warm-up, repeated; then the in-process ablation, whose runners
+    compile what their warm-up round meets."""
+    from .deploy import DeployConfig
+
+    config, costs = DeployConfig(), device_costs(device)
+    tok_s = costs.serving_tok_s["continuous"]
+    workloads = 3  # chat, grounded, open-ended
+    per_system = workloads * sum(
+        (config.served_repeats + 1) * clients * config.requests_per_client * config.new_tokens
+        / tok_s + costs.serving_run_s for clients in config.clients)
+    starts = COMPILE_S + VLLM_START_S / 2 if device.type == "cpu" else 3 * costs.load_s
+    runs = len(config.ablation) * len(config.ablation_workloads) * (config.ablation_repeats + 1)
+    ablation = runs * 2 * config.ablation_clients * config.new_tokens / tok_s
+    compiles = 2 * BENCH_COMPILE_S if device.type == "cpu" else 0  # fp32 and eager runners
+    return ChapterPlan("smollm2-135m", "int4 (ours), Q4_1 (llama.cpp)", config.systems,
+                       config.clients, f"{workloads} workloads x {config.new_tokens} new tokens "
+                       f"a request; ablation from {config.ablation_clients} clients",
+                       config.served_repeats,
+                       costs.load_s + starts + len(config.systems) * per_system + ablation
+                       + compiles)
+
+
 def serving_plan(model: str, experiments: dict[str, ServingBenchConfig], device: torch.device,
                  main: str) -> ChapterPlan:
     """A serving chapter's plan: every experiment's runs; ``main`` names the one described."""
@@ -379,6 +404,7 @@ PLANS: dict[str, Callable[[str, torch.device], ChapterPlan]] = {
     "parallel": lambda chapter, device: chapter12_plan(device),
     "quantized": lambda chapter, device: chapter13_plan(device),
     "speculative": lambda chapter, device: chapter14_plan(device),
+    "composed": lambda chapter, device: chapter15_plan(device),
 }
 
 

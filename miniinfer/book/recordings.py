@@ -378,6 +378,12 @@ def record_server_cost(lm: LoadedModel, engine, base_url: str, workload: Workloa
                                       base_url=base_url, **meta)
 
 
+def _record_deploy(device: torch.device) -> Path:
+    from .deploy import record_deploy
+
+    return record_deploy(device)
+
+
 def _reads_results_only(chapter: str, device: torch.device) -> list[Path]:
     print(f"chapter {chapter} reads the recorded results only: nothing to measure")
     return []
@@ -397,4 +403,5 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
     "quantized": lambda ch, d: [run_chapter_bench(ch, d), *record_llama_cpp(d), *record_quality(d)],
     "speculative": lambda chapter, device: [record_speculation(device)],  # book/speculation.py
+    "composed": lambda chapter, device: [_record_deploy(device)],  # book/deploy.py
 }
