@@ -462,7 +462,7 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_repro(args: argparse.Namespace) -> None:
-    from .book.repro import reproduce, reproduce_all
+    from .lab.repro import reproduce, reproduce_all
 
     if args.chapter == "all":
         chapters = args.chapters.split(",") if args.chapters else None

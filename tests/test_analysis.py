@@ -125,9 +125,9 @@ def test_phase_table_has_no_negative_time(tiny, engine):
 
 
 def test_context_sweep_rows_per_engine_and_length(tiny, monkeypatch):
-    from miniinfer.book.recordings import run_context_sweep
     from miniinfer.book.workloads import ContextSweep
     from miniinfer.core import kv_cache
+    from miniinfer.lab.recordings import run_context_sweep
 
     # A default pool of 3 blocks, too small for 2 requests of 24 + 4 tokens (2 blocks each):
     # the sweep sizes its engines' pools for its longest context (a GPU's 4,096 overflowed
@@ -590,7 +590,7 @@ def test_kv_reservation_matches_the_bytes_the_live_caches_hold(tiny):
 
 def test_server_cost_recording_pairs_each_request_in_process_and_over_http(tiny):
     from miniinfer.bench.serving import WorkloadConfig
-    from miniinfer.book.recordings import record_server_cost
+    from miniinfer.lab.recordings import record_server_cost
     from miniinfer.server import ServerProcess
 
     workload = WorkloadConfig(num_requests=3, prompt_len=(4, 12), output_len=(2, 4), seed=1)

@@ -16,7 +16,7 @@ from miniinfer.engines.paged_loop import PagedLoopEngine
 PACKAGE = Path(__file__).resolve().parents[1] / "miniinfer"
 REPO = PACKAGE.parent
 # From the bottom up: each layer may import only from the layers before it (and itself).
-LAYERS = ("core", "runner", "engines", "server", "bench", "book", "cli")
+LAYERS = ("core", "runner", "engines", "server", "bench", "book", "lab", "cli")
 
 
 def _imports() -> list[tuple[str, str]]:
@@ -78,8 +78,10 @@ def test_no_import_circle_between_modules():
 
 
 def test_book_modules_stay_small():
-    for path in (PACKAGE / "book").glob("*.py"):
-        assert len(path.read_text().splitlines()) <= 400, path.name
+    # The book is what the notebooks display; what records them is the lab's.
+    sizes = {path.name: len(path.read_text().splitlines()) for path in (PACKAGE / "book").glob("*.py")}
+    assert all(lines <= 400 for lines in sizes.values()), sizes
+    assert sum(sizes.values()) <= 2500, sum(sizes.values())
 
 
 # A measured figure: a time, a rate or a share ("97 us", "106.6 tokens/s", "0.6x", "30%"), not

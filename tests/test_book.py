@@ -412,8 +412,8 @@ def test_every_recorded_table_names_its_machine_dtype_versions_and_commit():
     each recorded CSV carries those columns (devices.csv, the speed-of-light table, is keyed by
     device and says its dtype in ``how_measured``; a repro log, named by its commit, times
     chapters and measures nothing)."""
-    from miniinfer.book.repro import REPRO_LOGS
     from miniinfer.book.results import RESULTS
+    from miniinfer.lab.repro import REPRO_LOGS
 
     needed = {"device", "device_name", "dtype", "torch", "git_sha", "date"}
     files = [p for p in sorted(RESULTS.rglob("*.csv"))

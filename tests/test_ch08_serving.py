@@ -28,9 +28,9 @@ from miniinfer.bench.serving import (
     serve_static,
     summarize,
 )
-from miniinfer.book import serving_records
 from miniinfer.cli import main
 from miniinfer.core.scheduler import RequestTimeline
+from miniinfer.lab import serving_records
 
 
 def test_metrics_follow_the_serving_definitions():

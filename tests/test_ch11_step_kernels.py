@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from miniinfer import make_engine
-from miniinfer.book import step_kernels
-from miniinfer.book.step_kernels import (
+from miniinfer.lab import step_kernels
+from miniinfer.lab.step_kernels import (
     ATTENTION_KERNEL,
     ATTENTION_SEGMENTS,
     FUSED,

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-import miniinfer.book.quantization as chapter13
+import miniinfer.lab.quantization as chapter13
 from miniinfer.bench.devices import device_slug, run_metadata
 from miniinfer.bench.quality import AGREEMENT_PROMPTS, QUALITY_FORMATS, quality_text, windows
 

@@ -270,8 +270,8 @@ def test_int4_greedy_tokens_with_drafts_equal_those_without_on_smollm2(smollm2, 
     kernel's short runs go a token at a time; the reference's when a step has only short runs).
     With verification runs in the C++ kernel's tiles, this prompt's tokens parted at the 16th;
     in the reference's batched SDPA, at the 16th too."""
-    from miniinfer.book.speculation import OPEN_ENDED
     from miniinfer.core.models import chat_text
+    from miniinfer.lab.speculation import OPEN_ENDED
 
     prompt = smollm2.tokenizer.encode(
         chat_text(smollm2.tokenizer, [{"role": "user", "content": OPEN_ENDED[0]}]),
@@ -687,7 +687,7 @@ def test_the_server_speculates_with_the_same_tokens_and_counts_drafts_in_metrics
 
 def test_the_recording_writes_every_workload_at_batch_1_and_served(tiny, tmp_path):
     from miniinfer.book.results import read_results
-    from miniinfer.book.speculation import (
+    from miniinfer.lab.speculation import (
         DRAFTERS,
         HF_SYSTEMS,
         SpeculationConfig,

@@ -43,8 +43,8 @@ def test_greedy_tokens_equal_its_own_int4_stage_without_drafts_on_smollm2(smollm
     """On chapter 14's prompts (input-grounded and open-ended), eagerly here: the compiled
     forward's verification is tested in chapter 11's and 14's tests, and chapter 15's recording
     checks the preset as served."""
-    from miniinfer.book.speculation import OPEN_ENDED, TEXT, input_grounded_tasks
     from miniinfer.core.models import chat_text
+    from miniinfer.lab.speculation import OPEN_ENDED, TEXT, input_grounded_tasks
 
     tasks = input_grounded_tasks(TEXT.read_text())
     texts = [tasks["copy"][1], tasks["rewrite"][0], OPEN_ENDED[1]]
@@ -77,7 +77,7 @@ def test_serve_engine_composed_runs_the_preset_and_refuses_what_cannot_combine()
 
 
 def test_the_ablation_removes_one_optimisation_at_a_time_on_shared_runners(tiny, monkeypatch):
-    from miniinfer.book import deploy
+    from miniinfer.lab import deploy
 
     built = []
     original = deploy.make_engine
@@ -108,7 +108,7 @@ def test_the_ablation_removes_one_optimisation_at_a_time_on_shared_runners(tiny,
 
 
 def test_a_closed_loop_keeps_at_most_its_clients_in_flight(tiny):
-    from miniinfer.book.deploy import _closed_loop
+    from miniinfer.lab.deploy import _closed_loop
 
     engine = make_engine("continuous", tiny)
     running = []
@@ -126,7 +126,7 @@ def test_a_closed_loop_keeps_at_most_its_clients_in_flight(tiny):
 
 def test_a_peer_not_built_is_skipped_with_one_line(tiny, tmp_path, monkeypatch):
     from miniinfer.bench.peers import PEERS_VENV_ENV
-    from miniinfer.book import deploy
+    from miniinfer.lab import deploy
 
     monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path))
     lines = []
@@ -138,7 +138,7 @@ def test_a_peer_not_built_is_skipped_with_one_line(tiny, tmp_path, monkeypatch):
 
 
 def test_a_served_row_is_the_median_run_with_the_range_of_all():
-    from miniinfer.book.deploy import median_run
+    from miniinfer.lab.deploy import median_run
 
     runs = [{"output_throughput": 90.0, "ttft_p50_ms": 1.0},
             {"output_throughput": 70.0, "ttft_p50_ms": 2.0},
@@ -148,3 +148,29 @@ def test_a_served_row_is_the_median_run_with_the_range_of_all():
                                 "repeats": 3}
     # Two runs: the slower one, so a system is never credited with its best run alone.
     assert median_run(runs[:2])["output_throughput"] == 70.0
+
+
+def test_a_servers_peak_memory_counts_the_processes_it_started():
+    import subprocess
+    import sys
+    import time
+
+    from miniinfer.lab.deploy import peak_rss_mib
+
+    # A parent holding a child that allocates 64 MiB: the parent's own peak does not hold it.
+    code = ("import subprocess, sys; child = subprocess.Popen([sys.executable, '-c', "
+            "\"b = bytearray(64 << 20); import sys; sys.stdin.read()\"], stdin=subprocess.PIPE); "
+            "print('ready', flush=True); sys.stdin.read(); child.kill()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline().strip() == "ready"
+        own = float(next(line.split()[1] for line in
+                         open(f"/proc/{parent.pid}/status") if line.startswith("VmHWM:"))) / 1024
+        deadline = time.monotonic() + 30
+        while peak_rss_mib(parent.pid) < own + 64 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polled: the child may still be allocating
+        assert peak_rss_mib(parent.pid) >= own + 64
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=30)

@@ -152,3 +152,16 @@ def test_ch05_the_h200s_eager_step_takes_what_the_chapter_states():
     if runs.empty:
         pytest.skip("no GPU recording of chapter 05")
     assert round(runs.step_ms.min()) == 22 and round(runs.step_ms.max()) == 24, runs.step_ms.tolist()
+
+
+def test_ch01_hfs_step_against_both_roofs_is_what_the_chapter_states():
+    """Chapter 01: on the reference CPU "hf's step is 1.4x the memory roof at batch 1 ... but
+    2.9x it and 9.6x the compute roof at batch 8" (the table's last two columns)."""
+    runs = recorded_results("01")
+    hf = runs[runs.device.astype(str).str.startswith("cpu") & (runs.engine == "hf")]
+    if hf.empty:
+        pytest.skip("no reference recording of chapter 01")
+    hf = hf.set_index("batch_size")
+    over = {b: (f"{r.step_ms / r.floor_memory_ms:.1f}", f"{r.step_ms / r.floor_compute_ms:.1f}")
+            for b, r in hf.iterrows()}
+    assert over[1][0] == "1.4" and over[8] == ("2.9", "9.6"), over

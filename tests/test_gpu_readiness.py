@@ -535,8 +535,8 @@ def test_check_engines_runs_fp32_exactly_and_bf16_within_tolerance(tiny_bf16):
 
 def test_repro_plan_fits_one_h100(capsys):
     from miniinfer.book.chapters import CHAPTERS
-    from miniinfer.book.plans import plan_chapter
     from miniinfer.cli import main
+    from miniinfer.lab.plans import plan_chapter
 
     cuda = torch.device("cuda")  # planning only: no CUDA call, works on this CPU machine
     plans = {chapter: plan_chapter(chapter, cuda) for chapter in CHAPTERS}
@@ -561,7 +561,7 @@ def test_repro_plan_fits_one_h100(capsys):
 def test_chapter07_loads_its_model_once(tiny, monkeypatch, tmp_path):
     # A second Qwen2.5-7B would hold 15 GB more while the notebook's kernel loads its own.
     from miniinfer.bench.offline import BenchConfig
-    from miniinfer.book import recordings as repro
+    from miniinfer.lab import recordings as repro
 
     loads = []
     monkeypatch.setattr(repro, "load_model", lambda name, device: loads.append(name) or tiny)
@@ -581,8 +581,8 @@ def test_the_plan_counts_context_sweeps_and_turn_gaps():
     from dataclasses import replace
 
     from miniinfer.book.chapters import CHAPTERS
-    from miniinfer.book.plans import bench_plan, plan_chapter, serving_plan, sweep_seconds
     from miniinfer.book.workloads import default_workload, prefix_cache_experiments
+    from miniinfer.lab.plans import bench_plan, plan_chapter, serving_plan, sweep_seconds
 
     cuda = torch.device("cuda")  # planning only
     model, base = default_workload(cuda)
@@ -609,9 +609,9 @@ def test_the_plan_counts_context_sweeps_and_turn_gaps():
 def test_the_plan_counts_each_round_of_a_repeated_run(monkeypatch):
     from dataclasses import replace
 
-    from miniinfer.book import catching
-    from miniinfer.book.plans import chapter11_plan, device_costs, serving_plan
     from miniinfer.book.workloads import serving_experiments
+    from miniinfer.lab import catching
+    from miniinfer.lab.plans import chapter11_plan, device_costs, serving_plan
 
     cpu = torch.device("cpu")  # planning only
     model, experiments = serving_experiments(cpu)

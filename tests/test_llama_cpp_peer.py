@@ -32,7 +32,7 @@ def test_a_missing_build_says_how_to_make_it(tmp_path, monkeypatch):
 
 
 def test_chapter_13_records_our_rows_only_without_it(tmp_path, monkeypatch, capsys):
-    from miniinfer.book.quantization import record_llama_cpp
+    from miniinfer.lab.quantization import record_llama_cpp
 
     monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path))
     assert record_llama_cpp(torch.device("cpu")) == []

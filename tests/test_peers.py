@@ -237,8 +237,8 @@ def test_vllm_bench_serve_failure_names_the_backend_and_the_output(fake_vllm, tm
 def test_recordings_without_the_peer_say_so_and_record_ours_only(tmp_path, monkeypatch, capsys):
     import torch
 
-    from miniinfer.book.catching import peer_available
-    from miniinfer.book.client_bench import record_vllm_bench_serve
+    from miniinfer.lab.catching import peer_available
+    from miniinfer.lab.client_bench import record_vllm_bench_serve
 
     monkeypatch.setenv(PEERS_VENV_ENV, str(tmp_path / "nowhere"))
     assert record_vllm_bench_serve(torch.device("cpu"), "smollm2-135m", [], 256) == []

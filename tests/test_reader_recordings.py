@@ -12,9 +12,9 @@ from miniinfer.bench import devices
 from miniinfer.book import hf_ratio_sentences, results_markdown
 from miniinfer.book.chapters import CHAPTERS
 from miniinfer.book.overview import CHAPTERS_DIR
-from miniinfer.book.recordings import results_path
 from miniinfer.book.results import RESULTS, read_results, recorded_results, recorded_runs
 from miniinfer.core.errors import MiniInferError
+from miniinfer.lab.recordings import results_path
 
 
 def book_texts() -> dict[str, str]:
@@ -62,7 +62,7 @@ def test_a_readers_notebook_run_goes_beside_their_recordings_not_over_the_book(t
     one, which is the book."""
     import nbclient
 
-    from miniinfer.book import repro
+    from miniinfer.lab import repro
 
     monkeypatch.setattr(repro, "YOURS_DIR", tmp_path / "yours")
     executed = []
@@ -82,7 +82,7 @@ def test_a_recording_for_the_book_goes_to_the_books_folder(readers_folder, monke
 
 
 def test_the_book_is_recorded_from_a_clean_commit_only(readers_folder, monkeypatch):
-    from miniinfer.book import repro
+    from miniinfer.lab import repro
 
     monkeypatch.setattr(repro, "uncommitted_changes", lambda: ["miniinfer/engines/naive.py"])
     with pytest.raises(MiniInferError, match="uncommitted changes: miniinfer/engines/naive.py"):
@@ -91,7 +91,7 @@ def test_the_book_is_recorded_from_a_clean_commit_only(readers_folder, monkeypat
 
 
 def test_a_recordings_own_outputs_do_not_make_the_tree_dirty(monkeypatch):
-    from miniinfer.book import repro
+    from miniinfer.lab import repro
 
     status = (" M data/results/ch01/cpu-intel-xeon-avx512.csv\n M chapters/01_naive_hf_decode.ipynb\n"
               " M miniinfer/book/plans.py\n?? notes.txt\n")
@@ -101,7 +101,7 @@ def test_a_recordings_own_outputs_do_not_make_the_tree_dirty(monkeypatch):
 
 
 def test_dry_run_estimates_from_the_last_logged_run(tmp_path, monkeypatch):
-    from miniinfer.book import repro
+    from miniinfer.lab import repro
 
     monkeypatch.setattr(repro, "REPRO_LOGS", tmp_path)
     repro.log_chapter(tmp_path / "repro-abc1234.csv", "01", torch.device("cpu"), 123.4,

@@ -13,8 +13,8 @@ import pytest
 
 from miniinfer.bench.devices import REPO_ROOT
 from miniinfer.book.chapters import CHAPTERS, REFERENCE_DEVICES, reference_device
-from miniinfer.book.repro import REPRO_LOGS
 from miniinfer.book.results import read_results, reference_files
+from miniinfer.lab.repro import REPRO_LOGS
 
 RECORDED = [number for number, ch in CHAPTERS.items() if ch.recording != "none"]
 

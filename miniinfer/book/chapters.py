@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What each kind of recording is, in words (the recordings themselves: book.recordings).
+# What each kind of recording is, in words (the recordings themselves: lab.recordings).
 RECORDINGS = {
     "none": "nothing (reads the recorded results)",
     "bench": "offline benchmark",
@@ -55,7 +55,7 @@ class Chapter:
     modules: tuple[str, ...] = ()  # the supporting modules it adds
     idea: str = ""  # one sentence, for a chapter that adds no stage
     # What `repro` records: "bench" (the offline benchmark of `engines`), "none" (reads the
-    # recorded results only), or the name of the chapter's own recording in book.recordings.
+    # recorded results only), or the name of the chapter's own recording in lab.recordings.
     recording: str = "bench"
     engines: tuple[str, ...] = ()  # the stages its recording compares, in one run
     cuda_engines: tuple[str, ...] = ()  # added to `engines` on a GPU
@@ -140,7 +140,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             "Weights as they ship: int8, and int4 from the GGUF's own blocks, against llama.cpp",
             stages=("quantized",),
             modules=("miniinfer.runner.quantized", "miniinfer.bench.quality",
-                     "miniinfer.bench.peers.llama_cpp", "miniinfer.book.quantization"),
+                     "miniinfer.bench.peers.llama_cpp", "miniinfer.lab.quantization"),
             recording="quantized",
             # fp32 against 8 and 4 bits on one forward (chapter 11's compiled one), as llama.cpp
             # runs each format; 64 new tokens, so the decode step weighs more than the prefill.
@@ -148,7 +148,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
     Chapter("14", "14_speculative_decoding",
             "Speculative decoding: several tokens per step, the same tokens out",
             stages=("speculative",),
-            modules=("miniinfer.core.speculative", "miniinfer.book.speculation"),
+            modules=("miniinfer.core.speculative", "miniinfer.lab.speculation"),
             recording="speculative",
             engines=("prefix-cache", "speculative", "speculative:fixed", "hf")),
     Chapter("15", "15_the_whole_engine",

@@ -10,9 +10,9 @@ import torch
 
 from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root
 from ..bench.offline import run_bench, summary_table
+from ..book.chapters import CHAPTERS
+from ..book.workloads import default_workload
 from ..core.models import load_model, resolve_device
-from .chapters import CHAPTERS
-from .workloads import default_workload
 
 
 def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
@@ -20,9 +20,9 @@ def run_chapter12(device: str | torch.device | None = "auto") -> list[Path]:
     and 3 (``<device>-allreduce.csv``), then hf, ``continuous`` (TP=1) and ``tensor-parallel``
     at TP=3 benchmarked in one run (``<device>.csv``; SmolLM2's 3 KV heads allow 3)."""
     from ..bench.devices import run_metadata
+    from ..book.workloads import TENSOR_PARALLEL
     from ..engines import make_engine
     from ..runner.tensor_parallel_costs import measure_all_reduce
-    from .workloads import TENSOR_PARALLEL
 
     dev = resolve_device(device)
     if dev.type == "cuda":

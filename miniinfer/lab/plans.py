@@ -11,10 +11,9 @@ import torch
 
 from ..bench.offline import BenchConfig
 from ..bench.serving import STEPPED_SYSTEMS, ServingBenchConfig
-from ..core.models import MODELS, dtype_name
-from .chapters import CHAPTERS
-from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
-from .workloads import (
+from ..book.chapters import CHAPTERS
+from ..book.roofline import BATCH_SIZES as ROOFLINE_BATCHES
+from ..book.workloads import (
     chapter05_profile_steps,
     context_sweep,
     default_workload,
@@ -22,6 +21,7 @@ from .workloads import (
     server_cost_workload,
     serving_experiments,
 )
+from ..core.models import MODELS, dtype_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +225,7 @@ def chapter10_plan(device: torch.device, rounds: int = 3) -> ChapterPlan:
     alone = (costs.prefill_token_s * sum(w.prompt_len) / 2
              + costs.step("continuous", 1) * sum(w.output_len) / 2)
     server_cost_s = 3 * w.num_requests * alone  # in-process, streamed and whole
-    # With the peer, on a CPU (book.client_bench): vllm bench serve, 2 backends x (our server,
+    # With the peer, on a CPU (lab.client_bench): vllm bench serve, 2 backends x (our server,
     # vllm serve), and one vLLM start.
     client_s = VLLM_START_S / 2 + 4 * 32 * 64 / costs.serving_tok_s["vllm"] \
         if device.type == "cpu" else 0.0
@@ -243,7 +243,7 @@ def chapter11_plan(device: torch.device) -> ChapterPlan:
     from .catching import BATCH_SIZES, SERVED_REPEATS
 
     model, base = default_workload(device)
-    if device.type == "cuda":  # book.catching.run_chapter11 records on a CPU only for now
+    if device.type == "cuda":  # lab.catching.run_chapter11 records on a CPU only for now
         return ChapterPlan(model, "-", (), (), "nothing on a GPU yet (CPU only for now)", 0, 0.0)
     config = replace(base, engines=CHAPTERS["11"].engines_for(device.type),
                      batch_sizes=BATCH_SIZES)
@@ -266,7 +266,7 @@ def chapter12_plan(device: torch.device) -> ChapterPlan:
     """The all-reduce table (a few seconds a world size) and a short benchmark in which the
     tensor-parallel engine's N processes share this machine's cores (counted N times)."""
     model, base = default_workload(device)
-    if device.type == "cuda":  # book.parallel.run_chapter12 records on a CPU only
+    if device.type == "cuda":  # lab.parallel.run_chapter12 records on a CPU only
         return ChapterPlan(model, "-", (), (), "nothing on a GPU (the paper model)", 0, 0.0)
     config = replace(base, engines=CHAPTERS["12"].engines, new_tokens=16, repeat=3)
     seconds = bench_seconds(config, device) + 2 * bench_seconds(
@@ -277,7 +277,7 @@ def chapter12_plan(device: torch.device) -> ChapterPlan:
 
 
 def chapter14_plan(device: torch.device) -> ChapterPlan:
-    """book.speculation: per weights and workload, each prompt alone through every system (a
+    """lab.speculation: per weights and workload, each prompt alone through every system (a
     warm-up round and the repeats; speculation counted as plain decoding, an upper bound), then
     the served runs (the prompts from several clients at once); a compile per weights."""
     from .speculation import DRAFTERS, HF_SYSTEMS, SpeculationConfig

@@ -15,8 +15,8 @@ import torch
 from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root, run_metadata
 from ..bench.peers import PeerMissingError, llama_cpp
 from ..bench.quality import quality_rows
+from ..book.workloads import default_workload
 from ..core.models import LoadedModel, cache_dir, load_model, smollm2_gguf
-from .workloads import default_workload
 
 
 def llama_cpp_rows(device: torch.device, repeats: int | None = None) -> pd.DataFrame:

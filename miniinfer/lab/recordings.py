@@ -15,16 +15,8 @@ from ..bench.devices import REPO_ROOT, device_slug, device_speed, recording_root
 from ..bench.offline import run_bench, summary_table
 from ..bench.serving import WorkloadConfig, run_serving_bench
 from ..bench.serving import summary_table as serving_summary_table
-from ..core.errors import MiniInferError
-from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
-from .catching import run_chapter11
-from .chapters import CHAPTERS
-from .client_bench import record_vllm_bench_serve
-from .parallel import run_chapter12
-from .quantization import record_llama_cpp, record_quality
-from .serving_records import record_serving
-from .speculation import record_speculation
-from .workloads import (
+from ..book.chapters import CHAPTERS
+from ..book.workloads import (
     ContextSweep,
     chapter05_profile_steps,
     context_sweep,
@@ -33,6 +25,14 @@ from .workloads import (
     server_cost_workload,
     serving_experiments,
 )
+from ..core.errors import MiniInferError
+from ..core.models import LoadedModel, dtype_name, load_model, resolve_device
+from .catching import run_chapter11
+from .client_bench import record_vllm_bench_serve
+from .parallel import run_chapter12
+from .quantization import record_llama_cpp, record_quality
+from .serving_records import record_serving
+from .speculation import record_speculation
 
 
 def results_path(chapter: str, device: torch.device) -> Path:
@@ -67,10 +67,10 @@ def run_context_sweep(lm, engines: tuple[str, ...], sweep: ContextSweep, speed,
     from ..bench.devices import LoadGuard, decode_floor, run_metadata
     from ..bench.offline import make_prompts, own_threads, run_metrics
     from ..bench.profiling import phase_table, profile_decode
+    from ..book.profiles import attention_gather_ms
     from ..core.kv_cache import DEFAULT_BLOCK_SIZE, blocks_for
     from ..core.sampling import SamplingParams
     from ..engines import make_engine
-    from .profiles import attention_gather_ms
 
     # The default pool (1 GiB) holds 8 x 2,340 tokens of Qwen2.5-7B: a GPU sweep's longest
     # contexts need a pool sized for them, or the last point fails with its KV cache full.
@@ -143,9 +143,9 @@ def run_chapter05(device: str | torch.device | None = "auto") -> list[Path]:
     ``paged-loop``'s op counts; on a CPU, every op of a decode step timed at the roofline's
     batch sizes (``-roofline.csv``)."""
     from ..bench.profiling import RangesOff, phase_repeats, profile_stages
+    from ..book.roofline import BATCH_SIZES as ROOFLINE_BATCHES
+    from ..book.roofline import record_op_times
     from ..engines import make_engine
-    from .roofline import BATCH_SIZES as ROOFLINE_BATCHES
-    from .roofline import record_op_times
 
     dev = resolve_device(device)
     model, base = default_workload(dev)
@@ -266,9 +266,9 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     fresh server and ``vllm serve`` (``-vllm-bench.csv``, :mod:`.client_bench`)."""
     from ..bench.serving import default_pool_bytes
     from ..bench.serving.http import run_http_bench
+    from ..book.analysis import server_cost_sentences
     from ..engines import make_engine
     from ..server import ServerProcess
-    from .analysis import server_cost_sentences
 
     dev = resolve_device(device)
     model, experiments = serving_experiments(dev)

@@ -1,8 +1,8 @@
 """What ``make chapter-NN`` runs: the chapter's recording on this machine, then its notebook
 executed (into ``data/yours/notebooks/``; over the stored one only with ``--for-book``); and what ``python -m miniinfer repro all`` runs: every chapter's
 recording in order. What a chapter records is its entry in the chapter registry
-(:mod:`miniinfer.book.chapters`); the recordings are :mod:`miniinfer.book.recordings`, their
-plans and time estimates :mod:`miniinfer.book.plans`.
+(:mod:`miniinfer.book.chapters`); the recordings are :mod:`miniinfer.lab.recordings`, their
+plans and time estimates :mod:`miniinfer.lab.plans`.
 
 A reader's recording goes to ``data/yours/`` and is shown as theirs: it never changes the book.
 The book's own tables are recorded with ``--for-book``, from a clean commit only, into
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from ..bench.devices import FOR_BOOK_ENV, REPO_ROOT, RESULTS_DIR, git_sha
+from ..book.chapters import CHAPTERS
+from ..book.overview import CHAPTERS_DIR
 from ..core.errors import MiniInferError, UnknownNameError
 from ..core.hardware import YOURS_DIR
 from ..core.models import resolve_device
-from .chapters import CHAPTERS
-from .overview import CHAPTERS_DIR
 from .plans import ChapterPlan, plan_chapter, plan_table
 from .recordings import RECORDERS, run_chapter_context
 

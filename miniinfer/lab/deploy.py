@@ -113,15 +113,34 @@ def requests_for(prompts: list[list[int]], clients: int, config: DeployConfig
             for i in range(n)]
 
 
+def _process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it (Linux's /proc/<pid>/task/<tid>/children)."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo += [int(child) for child in children.read_text().split()]
+            except OSError:
+                pass
+    return tree
+
+
 def peak_rss_mib(pid: int) -> float:
-    """A process's peak resident memory (Linux's VmHWM), in MiB; NaN where unknown."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+    """A server's peak resident memory in MiB: Linux's VmHWM of the process and of every
+    process it started (vLLM's engine core runs in a child), summed: an upper bound where their
+    peaks came at different times. NaN where unknown."""
+    total = float("nan")
+    for member in _process_tree(pid):
+        try:
+            lines = Path(f"/proc/{member}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
+                total = (0.0 if total != total else total) + int(line.split()[1]) / 1024
+    return total
 
 
 def _start(system: str, lm: LoadedModel, config: DeployConfig):

@@ -37,14 +37,14 @@ from ..bench.offline import make_bench_engine, run_bench, summary_table
 from ..bench.peers import VLLM, PeerMissingError, check_peer
 from ..bench.serving import ServingBenchConfig
 from ..bench.serving.http import run_http_bench
+from ..book.chapters import CHAPTERS
+from ..book.workloads import default_workload, serving_experiments
 from ..core.models import LoadedModel, dtype_name, load_model, resolve_device, smollm2_cache
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from ..runner.onednn_linear import onednn_available
-from .chapters import CHAPTERS
 from .client_bench import free_port
 from .serving_records import record_serving
-from .workloads import default_workload, serving_experiments
 
 if TYPE_CHECKING:  # imported when used: loading inductor costs seconds
     from ..runner.compiled import CompileOptions
@@ -78,7 +78,7 @@ def run_chapter11(device: str | torch.device | None = "auto") -> list[Path]:
     the module's docstring) the rest. Each part writes its files when it ends."""
     dev = resolve_device(device)
     if dev.type == "cuda":
-        # The GPU plan has no room left in a session's device time (book.plans), and the
+        # The GPU plan has no room left in a session's device time (lab.plans), and the
         # device machine cannot install the peer.
         print("chapter 11 records on a CPU only for now; nothing to measure here")
         return []
