@@ -153,7 +153,7 @@ CHAPTERS: dict[str, Chapter] = {ch.number: ch for ch in (
             engines=("prefix-cache", "speculative", "speculative:fixed", "hf")),
     Chapter("15", "15_the_whole_engine",
             "The whole engine, served: every optimisation at once, against llama.cpp and vLLM",
-            stages=("composed",), modules=("miniinfer.book.deploy",
+            stages=("composed",), modules=("miniinfer.lab.deploy",
                                            "miniinfer.bench.peers.llama_server"),
             recording="composed", engines=("composed", "llama-server", "vllm")),
 )}

@@ -403,5 +403,5 @@ RECORDERS: dict[str, Callable[[str, torch.device], list[Path]]] = {
     "parallel": lambda chapter, device: run_chapter12(device),  # book/parallel.py
     "quantized": lambda ch, d: [run_chapter_bench(ch, d), *record_llama_cpp(d), *record_quality(d)],
     "speculative": lambda chapter, device: [record_speculation(device)],  # book/speculation.py
-    "composed": lambda chapter, device: [_record_deploy(device)],  # book/deploy.py
+    "composed": lambda chapter, device: [_record_deploy(device)],  # lab/deploy.py
 }
