@@ -111,3 +111,14 @@ def test_dry_run_estimates_from_the_last_logged_run(tmp_path, monkeypatch):
     assert not plans[1].logged  # no logged run: the cost model's estimate
     log = pd.read_csv(tmp_path / "repro-abc1234.csv")
     assert log.chapter.tolist() == [1] and log.notebook.tolist() == ["no"]
+
+
+def test_the_dry_runs_estimate_is_the_most_recently_finished_run_of_a_chapter(tmp_path):
+    from miniinfer.lab.repro import last_logged_seconds
+
+    header = "chapter,device,seconds,notebook,finished\n"
+    # Named so that the older log sorts last, and written last: neither may decide.
+    (tmp_path / "repro-bbbbbbb.csv").write_text(header + "14,cpu,1123.1,no,2026-12-03T16:34:16Z\n")
+    (tmp_path / "repro-ccccccc.csv").write_text(header + "14,cpu,424.2,no,2026-11-29T16:29:18Z\n"
+                                                "13,cpu,87.5,no,2026-11-29T07:47:56Z\n")
+    assert last_logged_seconds(tmp_path) == {("14", "cpu"): 1123.1, ("13", "cpu"): 87.5}

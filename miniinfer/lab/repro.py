@@ -94,13 +94,17 @@ def logged_seconds(path: Path) -> dict[tuple[str, str], float]:
         return {(r["chapter"], r["device"]): float(r["seconds"]) for r in csv.DictReader(f)}
 
 
-def last_logged_seconds() -> dict[tuple[str, str], float]:
-    """Each chapter's duration in the most recent repro log that has it."""
-    logs = sorted(REPRO_LOGS.glob("repro-*.csv"), key=lambda p: p.stat().st_mtime)
-    out: dict[tuple[str, str], float] = {}
-    for path in logs:  # later logs overwrite earlier ones
-        out |= logged_seconds(path)
-    return out
+def last_logged_seconds(logs: Path | None = None) -> dict[tuple[str, str], float]:
+    """Each chapter's duration in its most recently finished logged run (by the log's own
+    ``finished`` stamps: a clone's files all share one mtime)."""
+    latest: dict[tuple[str, str], tuple[str, float]] = {}
+    for path in (logs or REPRO_LOGS).glob("repro-*.csv"):
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                key = (r["chapter"], r["device"])
+                if key not in latest or r.get("finished", "") > latest[key][0]:
+                    latest[key] = (r.get("finished", ""), float(r["seconds"]))
+    return {key: seconds for key, (_, seconds) in latest.items()}
 
 
 def log_chapter(path: Path, chapter: str, device: torch.device, seconds: float,
