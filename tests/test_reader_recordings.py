@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from miniinfer.bench import devices
-from miniinfer.book import hf_ratio_sentences, results_markdown
+from miniinfer.book import results_markdown
 from miniinfer.book.chapters import CHAPTERS
 from miniinfer.book.overview import CHAPTERS_DIR
 from miniinfer.book.results import RESULTS, read_results, recorded_results, recorded_runs
@@ -21,7 +21,6 @@ def book_texts() -> dict[str, str]:
     """Everything the book prints from its recordings without running a model."""
     texts = {f"chapter {n}": (CHAPTERS_DIR / ch.notebook).read_text() for n, ch in CHAPTERS.items()}
     texts["results"] = results_markdown()
-    texts["ch01 sentences"] = "\n".join(hf_ratio_sentences(recorded_results("01")))
     texts["runs"] = recorded_runs().to_csv()
     texts["ch01 tables"] = recorded_results("01").to_csv()
     return texts
