@@ -3,23 +3,14 @@ of every device, the analysis and figures drawn from them, and each stage as a d
 
 from .analysis import (
     SWEEP_PHASES,
-    context_phase_table,
-    context_sentences,
-    experiment_sentences,
-    hf_ratio_sentences,
     hf_ratio_table,
     host_split,
-    roof_sentences,
-    step_growth_sentence,
-    trend,
-    trend_sentences,
 )
 from .chapters import CHAPTERS, Chapter, chapter_of_stage, chapters_markdown
 from .diff import StageDiff, class_diff, show_diff
 from .overview import CHAPTERS_DIR, chapter_table, package_map, stage_tree
 from .plots import (
     book_style,
-    plot_by_device,
     plot_context_sweep,
     plot_phase_bars,
     plot_stage_results,
@@ -30,11 +21,8 @@ from .plots import (
 from .presets import Preset, preset
 from .profiles import (
     attention_gather_ms,
-    gap_sentences,
     gap_table,
     host_share,
-    host_share_sentences,
-    profiler_cost_sentences,
 )
 from .references import POSTS, cite
 from .results import (
@@ -53,22 +41,21 @@ from .results import (
     speed_of_light_table,
     stage_results,
     this_device_or_live,
-    tok_s_table,
 )
 from .roofline import plot_roofline
 
 __all__ = [
     "CHAPTERS", "CHAPTERS_DIR", "POSTS", "RESULTS", "reference_files", "SWEEP_PHASES", "Chapter", "Preset", "StageDiff",
     "ablation_table", "attention_gather_ms", "book_style", "chapter_of_stage", "chapter_table", "chapters_markdown", "cite",
-    "class_diff", "context_phase_table", "context_sentences", "device_table",
-    "experiment_sentences", "gap_sentences", "gap_table", "hf_ratio_sentences",
-    "hf_ratio_table", "host_share", "host_share_sentences", "host_split", "load_note",
-    "package_map", "pct_of_hf_spread_table", "plot_by_device", "plot_context_sweep",
+    "class_diff", "device_table",
+    "gap_table",
+    "hf_ratio_table", "host_share", "host_split", "load_note",
+    "package_map", "pct_of_hf_spread_table", "plot_context_sweep",
     "plot_phase_bars", "plot_roofline", "plot_stage_results", "plot_timelines",
-    "plot_what_it_buys", "preset", "profiler_cost_sentences", "read_results",
+    "plot_what_it_buys", "preset", "read_results",
     "recorded_context_sweeps", "recorded_results", "recorded_runs", "recorded_timelines",
     "results_markdown",
-    "roof_sentences", "show_diff", "speed_of_light_table", "stage_color", "stage_results",
-    "stage_tree", "step_growth_sentence", "this_device_or_live", "tok_s_table",
-    "trend", "trend_sentences",
+    "show_diff", "speed_of_light_table", "stage_color", "stage_results",
+    "stage_tree", "this_device_or_live",
+   
 ]

@@ -105,44 +105,6 @@ def legend_outside(ax, **kwargs) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0, **kwargs)
 
 
-def plot_by_device(df: pd.DataFrame, value: str = "tok_s", ylabel: str = "tokens / s",
-                   floor: bool = True):
-    """One column per recorded device: ``value`` vs batch size, a line per engine; with
-    ``floor``, a second row gives each engine's step time as % of the speed of light (the
-    floor step: weights and K/V over the bandwidth, or FLOPs over peak compute where that takes
-    longer, marked under the batch size). The floor gets its own axis so that, several times
-    above the engines, it does not flatten their lines."""
-    import matplotlib.pyplot as plt
-
-    devices = list(dict.fromkeys(df.device_name))
-    rows = 2 if floor and "pct_of_floor" in df.columns else 1
-    with book_style():
-        fig, axes = plt.subplots(rows, len(devices), squeeze=False,
-                                 figsize=(min(WIDTH, 4.2 * len(devices) + 2.4), 3.0 * rows))
-        for col, name in enumerate(devices):
-            dev = df[df.device_name == name]
-            batches = sorted(dev.batch_size.unique())
-            ax = axes[0][col]
-            for engine, group in dev.groupby("engine", sort=False):
-                ax.plot(group.batch_size, group[value], marker="o", label=engine,
-                        color=stage_color(engine))
-            ax.set(title=f"{name}, {dev.model.iloc[0]} {dev.dtype.iloc[0]}", xlabel="batch size",
-                   ylabel=ylabel, xticks=batches, ylim=(0, None))
-            if rows == 2:
-                ax = axes[1][col]
-                for engine, group in dev.groupby("engine", sort=False):
-                    ax.plot(group.batch_size, group.pct_of_floor, marker="o", label=engine,
-                            color=stage_color(engine))
-                bound = (dev.drop_duplicates("batch_size").set_index("batch_size").floor_bound
-                         if "floor_bound" in dev.columns else pd.Series("memory", index=batches))
-                ax.set(xlabel="batch size (roof of the floor)", ylabel="% of speed of light",
-                       ylim=(0, max(25, dev.pct_of_floor.max() * 1.2)), xticks=batches,
-                       xticklabels=[f"{b}\n{bound.get(b, 'memory')}" for b in batches])
-        legend_outside(axes[0][-1])
-        fig.tight_layout()
-    return fig
-
-
 def plot_what_it_buys(df: pd.DataFrame, baseline: str = "hf"):
     """What each stage buys, per recorded device: % of ``baseline``'s tok/s per stage and batch
     size (the median of the per-repeat ratios; whiskers: the lowest and highest single repeat's

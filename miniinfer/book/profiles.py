@@ -42,54 +42,6 @@ def gap_table(bench: pd.DataFrame, phases: pd.DataFrame) -> pd.DataFrame:
     }).round(3)
 
 
-def gap_sentences(bench: pd.DataFrame, gap: pd.DataFrame) -> list[str]:
-    """What :func:`gap_table` shows, per batch size, in words computed from it."""
-    pct = bench.set_index(["engine", "batch_size"])
-    spread = "pct_of_hf_min" in bench and bench.pct_of_hf_min.notna().all()
-    lines = []
-    for b, r in gap.iterrows():
-        p = pct.loc[("paged-prealloc", b)]
-        off = pct.loc[("paged-prealloc/ranges-off", b)]
-        ranges = (f"{p.pct_of_hf:.0f}% [{p.pct_of_hf_min:.0f}-{p.pct_of_hf_max:.0f}]" if spread
-                  else f"{p.pct_of_hf:.0f}%")
-        lines.append(f"batch {b}: paged-prealloc at {ranges} of hf's tok/s (median of per-repeat "
-                     f"ratios); its plain step is {r['gap to hf ms']:+.2f} ms against hf's. "
-                     f"Everything outside the forward would take "
-                     f"{r['non-forward ms, scaled to plain']:.2f} ms of a plain step.")
-        if r["gap to hf ms"] > r["non-forward ms, scaled to plain"]:
-            lines.append(f"  the gap exceeds all non-forward work by "
-                         f"{r['gap to hf ms'] - r['non-forward ms, scaled to plain']:.2f} ms: "
-                         "the rest is inside the forward (ours runs on a dense buffer padded to "
-                         "the longest request, HF's on its own cache) or the run's drift.")
-        else:
-            lines.append("  the non-forward work covers the gap.")
-        if spread:
-            both = (off.pct_of_hf_min <= p.pct_of_hf_max) and (p.pct_of_hf_min <= off.pct_of_hf_max)
-            lines.append(f"  ranges off: {off.pct_of_hf:.0f}% [{off.pct_of_hf_min:.0f}-"
-                         f"{off.pct_of_hf_max:.0f}] of hf; " + (
-                             "the two spreads overlap, so this run cannot tell the ranges' cost "
-                             "from noise." if both else
-                             "the spreads do not overlap: the ranges cost measurable time."))
-    return lines
-
-
-def profiler_cost_sentences(gap: pd.DataFrame) -> list[str]:
-    """Per batch size, whether the profiled step was longer or shorter than the plain one. The
-    profiler records every operator, so it should only add time; where the profiled step came
-    out shorter, the machine drifted between the two runs by more than the profiler costs."""
-    lines = []
-    for b, ratio in gap["profiled / plain"].items():
-        if ratio >= 1:
-            lines.append(f"batch {b}: the profiled step took {ratio:.2f}x the plain one "
-                         f"({100 * (ratio - 1):.0f}% longer under the profiler)")
-        else:
-            lines.append(f"batch {b}: the profiled step took {ratio:.2f}x the plain one, "
-                         f"{100 * (1 - ratio):.0f}% *shorter*: a profiler cannot make a step "
-                         "faster, so the machine drifted between the two runs by more than the "
-                         "profiler costs; read the split as shares, not as milliseconds")
-    return lines
-
-
 def host_share(phases: pd.DataFrame) -> pd.DataFrame:
     """Per device and batch size, from profiled phases: the step, the forward, and what the
     host does outside the forward (every other outermost phase plus unlabelled time), in ms
@@ -105,19 +57,6 @@ def host_share(phases: pd.DataFrame) -> pd.DataFrame:
                      "forward_ms": ms["model_forward"], "host_ms": host,
                      "host_pct": 100 * host / step})
     return pd.DataFrame(rows).set_index(["device_name", "batch_size"])
-
-
-def host_share_sentences(phases: pd.DataFrame) -> list[str]:
-    """Chapter 05's measured host share, as chapters 06 and 07 quote it."""
-    lines = []
-    for name, dev in host_share(phases).groupby(level="device_name", sort=False):
-        dev = dev.droplevel("device_name")
-        lines.append(f"{name}: outside the model forward the host spends "
-                     + ", ".join(f"{r.host_ms:.2f} ms of {r.step_ms:.1f} ({r.host_pct:.1f}%) at "
-                                 f"batch {b}" for b, r in dev.iterrows())
-                     + f" (chapter 05's profiled paged-prealloc): at most "
-                       f"{dev.host_pct.max():.1f}% of a step is host work to win back")
-    return lines
 
 
 # -- chapter 06: the copy a CPU reference attention makes inside the forward ----------------

@@ -183,43 +183,6 @@ def roofline_table(config, op_ms: pd.DataFrame, bandwidth_gbs: float, peak_gflop
     return df
 
 
-def roofline_sentences(table: pd.DataFrame, bandwidth_gbs: float, peak_gflops: float
-                       ) -> list[str]:
-    """The CPU (or GPU) story of a roofline table, in numbers computed from it: per measured
-    batch size, each op's achieved share of bandwidth and of peak, which ops sit far below both
-    roofs, and the batch sizes with no measured point."""
-    ridge = peak_gflops / bandwidth_gbs
-    lines = [f"ridge point: {ridge:.1f} FLOP/byte ({peak_gflops:.0f} GFLOP/s / "
-             f"{bandwidth_gbs:.1f} GB/s); an op of lower intensity is memory-bound here"]
-    for b, rows in table.groupby("batch_size"):
-        measured = rows[rows.ms_per_step.notna()]
-        if measured.empty:
-            lines.append(f"batch {b}: no measured point (intensity "
-                         + ", ".join(f"{r.op} {r.intensity:.1f}" for r in rows.itertuples())
-                         + " FLOP/byte)")
-            continue
-        far = measured[(measured.pct_of_bandwidth < 100 * FAR_BELOW)
-                       & (measured.pct_of_peak < 100 * FAR_BELOW)]
-        lines.append(f"batch {b}: " + "; ".join(
-            f"{r.op} {r.ms_per_step:.1f} ms, {r.intensity:.1f} FLOP/B, {r.achieved_gbs:.1f} GB/s "
-            f"({r.pct_of_bandwidth:.0f}% of bandwidth), {r.achieved_gflops:.1f} GFLOP/s "
-            f"({r.pct_of_peak:.0f}% of peak)" for r in measured.itertuples()))
-        matmuls = measured[measured.op != "attention"]
-        if len(matmuls):
-            ms = matmuls.ms_per_step.sum()
-            # The fastest the same matmuls could run: each at its own roof.
-            roof_ms = (matmuls.flops / matmuls.attainable_gflops).sum() / 1e6
-            lines.append(f"  the matmuls together: {ms:.1f} ms for "
-                         f"{matmuls.weight_bytes.sum() / 1e6:.0f} MB of weights = "
-                         f"{matmuls.bytes.sum() / ms / 1e6:.1f} GB/s and "
-                         f"{matmuls.flops.sum() / ms / 1e6:.1f} GFLOP/s; at their roofs they "
-                         f"would take {roof_ms:.1f} ms ({ms / roof_ms:.1f}x less)")
-        lines.append("  far below both roofs (under "
-                     f"{100 * FAR_BELOW:.0f}% of each): "
-                     + (", ".join(far.op) if len(far) else "none"))
-    return lines
-
-
 def plot_roofline(table: pd.DataFrame, bandwidth_gbs: float, peak_gflops: float, title: str):
     """The roofline of a decode step (:func:`miniinfer.book.roofline.roofline_table`): the two
     roofs of the device, every op at every batch size at its arithmetic intensity, hollow where
@@ -296,13 +259,6 @@ class DeviceRoofline:
     @property
     def missing(self) -> list[int]:
         return sorted(set(self.table.batch_size[self.table.ms_per_step.isna()]))
-
-    def sentences(self) -> list[str]:
-        head = (f"{self.device_name}: {self.bandwidth_gbs:.1f} GB/s, {self.peak_gflops:.0f} "
-                f"GFLOP/s; points from {self.source}: measured at batch {self.measured}")
-        if self.missing:
-            head += f", missing at batch {self.missing} (the next make chapter-05 records them)"
-        return [head, *roofline_sentences(self.table, self.bandwidth_gbs, self.peak_gflops)]
 
     def plot(self):
         return plot_roofline(self.table, self.bandwidth_gbs, self.peak_gflops,

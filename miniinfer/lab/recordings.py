@@ -266,7 +266,7 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
     fresh server and ``vllm serve`` (``-vllm-bench.csv``, :mod:`.client_bench`)."""
     from ..bench.serving import default_pool_bytes
     from ..bench.serving.http import run_http_bench
-    from ..book.analysis import server_cost_sentences
+    from ..book.analysis import server_cost_table
     from ..engines import make_engine
     from ..server import ServerProcess
 
@@ -293,7 +293,7 @@ def run_chapter10(device: str | torch.device | None = "auto", rounds: int = 3) -
             "continuous", lm, max_num_batched_tokens=target.max_num_batched_tokens[0],
             kv_cache_bytes=target.kv_cache_bytes or default_pool_bytes(lm)), server.base_url,
             server_cost_workload(dev))
-    print("\n".join(server_cost_sentences(cost)))
+    print(server_cost_table(cost).round(1).to_string())
     # The field's own client against our server and vLLM's (when the peer is installed).
     client_runs = record_vllm_bench_serve(dev, model, server_args,
                                           target.max_num_batched_tokens[0],
