@@ -506,3 +506,33 @@ def test_no_rendered_text_says_nan():
                 "".join(o.get("text", "")) for o in cell.get("outputs", [])]
             for text in texts:
                 assert not re.search(r"\bnan ?%", text, re.I), (chapter.notebook, text[:200])
+
+
+TEST_RUN_MARKS = ("preset=small", "busy machine", "not representative", "-dirty")
+
+
+def stored_outputs(path) -> str:
+    """Every output a notebook was stored with: streams, plain text and HTML."""
+    texts = []
+    for cell in json.loads(path.read_text())["cells"]:
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")))
+            for kind in ("text/plain", "text/html"):
+                texts.append("".join(out.get("data", {}).get(kind, "")))
+    return "\n".join(texts)
+
+
+def test_stored_outputs_are_the_reference_sitting_not_a_test_run():
+    """The stored notebooks are the book: executed once with the full preset on a quiet machine
+    (`repro all --for-book`), never a test run's outputs."""
+    for chapter in CHAPTERS.values():
+        text = stored_outputs(CHAPTERS_DIR / chapter.notebook)
+        marks = [m for m in TEST_RUN_MARKS if m in text]
+        assert not marks, f"{chapter.notebook}'s stored outputs say {marks}"
+
+
+def test_the_stored_output_check_finds_a_test_runs_marks(tmp_path):
+    nb = {"cells": [{"cell_type": "code", "source": "", "outputs": [
+        {"output_type": "stream", "name": "stdout", "text": ["preset=small  device=cpu\n"]}]}]}
+    (tmp_path / "x.ipynb").write_text(json.dumps(nb))
+    assert "preset=small" in stored_outputs(tmp_path / "x.ipynb")

@@ -36,7 +36,7 @@ RECORDINGS = {
 # is read from these devices' files (``data/results/chNN/<slug>*.csv``); other machines' files
 # stay in the data and appear once, in the overview's "other machines" table. The CPU's are one
 # `repro all --for-book` run at one commit (its log: data/results/logs/repro-<commit>.csv).
-REFERENCE_DEVICES = {"cpu": "cpu-intel-xeon-avx512", "cuda": "cuda-nvidia-h200"}
+REFERENCE_DEVICES = {"cpu": "cpu-amd-epyc-avx512", "cuda": "cuda-nvidia-h200"}
 # (chapter, kind) -> a slug that chapter shows instead; none today (a test keeps the CPU's empty).
 REFERENCE_OVERRIDES: dict[tuple[str, str], str] = {}
 

@@ -175,21 +175,6 @@ def pct_of_hf_spread_table(df: pd.DataFrame) -> pd.DataFrame:
     return _pct_cells(df, ["device_name", "model", "dtype", "batch_size"])
 
 
-def load_note(df: pd.DataFrame) -> str:
-    """One line on how busy the machine was while ``df`` was recorded (the load guard's
-    columns): a run with competing work is marked "recorded on a busy machine"."""
-    if "busy" not in df.columns:
-        return "load: not recorded yet (this run predates the load guard)"
-    busy = df[df.busy.astype(str).str.lower() == "true"]
-    worst = df[["load_before", "load_after"]].max().max()
-    steal = df.steal_pct.max() if "steal_pct" in df.columns else float("nan")
-    steal_text = f", CPU steal up to {steal:.1f}%" if steal == steal else ""
-    if busy.empty:
-        return f"load: quiet machine (load per core up to {worst:.2f}{steal_text})"
-    return (f"RECORDED ON A BUSY MACHINE: {len(busy)} of {len(df)} rows saw competing work "
-            f"(load per core up to {worst:.2f}{steal_text}); read its numbers with care")
-
-
 def device_table() -> pd.DataFrame:
     """The speed of light of every recorded device (``data/results/devices.csv``)."""
     from ..bench.devices import DEVICES_CSV
