@@ -250,15 +250,18 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     the reader's ``make chapter-NN`` has just written for this device
     (``data/yours/chNN/<device><suffix>.csv``) is shown as is (re-measuring it would only double
     the wait); otherwise, and when this device has no CSV yet, it is measured now."""
-    from ..bench.devices import device_slug, recording_root
+    from ..bench.devices import RESULTS_DIR, device_slug, recording_root
     from ..bench.offline import run_bench
 
-    path = recording_root() / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
+    root = recording_root()
+    path = root / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
         if df.model.iloc[0] == lm.name:
-            return df, (f"recorded by your make chapter-{p.bench.chapter} on this device "
-                        f"({df.device_name.iloc[0]}; {path.name})")
+            # The book's sitting (``repro --for-book``) writes the reference files, not a reader's.
+            whose = ("the book's reference recording" if root == RESULTS_DIR
+                     else f"recorded by your make chapter-{p.bench.chapter}")
+            return df, f"{whose} on this device ({df.device_name.iloc[0]}; {path.name})"
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 
 
