@@ -69,16 +69,18 @@ def _ch13_runs() -> pd.DataFrame:
     return runs[runs.engine.notna()].astype({"batch_size": int})
 
 
-def test_ch13_each_quantized_stage_beats_fp32_in_every_repeat_and_int4_ties_int8_at_batch_1():
-    """Chapter 13: at batch 1 and 8 each quantized stage's slowest repeat is above fp32
-    ``compiled``'s fastest; at batch 1 int4 and int8 are within noise of each other."""
+def test_ch13_quantized_stages_against_fp32_where_the_chapter_says():
+    """Chapter 13: at batch 1 each quantized stage's slowest repeat is above fp32 ``compiled``'s
+    fastest, and int4 and int8 are within noise of each other; at batch 8 int8's slowest repeat
+    is above fp32's fastest and int4's range meets fp32's (within noise)."""
     runs = _ch13_runs()
-    for b in (1, 8):
-        rows = runs[runs.batch_size == b].set_index("engine")
-        assert (rows.loc[["quantized:int8", "quantized:int4"], "pct_of_hf_min"]
-                > rows.pct_of_hf_max["compiled"]).all(), b
     one = runs[runs.batch_size == 1].set_index("engine")
+    assert (one.loc[["quantized:int8", "quantized:int4"], "pct_of_hf_min"]
+            > one.pct_of_hf_max["compiled"]).all()
     assert one.pct_of_hf_min["quantized:int4"] <= one.pct_of_hf_max["quantized:int8"]
+    eight = runs[runs.batch_size == 8].set_index("engine")
+    assert eight.pct_of_hf_min["quantized:int8"] > eight.pct_of_hf_max["compiled"]
+    assert eight.pct_of_hf_min["quantized:int4"] <= eight.pct_of_hf_max["compiled"]
 
 
 def test_ch13_both_formats_cost_some_perplexity_int4_less_than_int8():
@@ -90,9 +92,10 @@ def test_ch13_both_formats_cost_some_perplexity_int4_less_than_int8():
         assert 0 < change["int4"] < change["int8"], path.name
 
 
-def test_ch13_llama_cpp_leads_at_batch_1_and_trails_in_int8_and_int4_at_batch_8():
+def test_ch13_llama_cpp_leads_at_batch_1_and_in_fp32_and_trails_in_int8_and_int4_at_batch_8():
     """Chapter 13: at batch 1 llama.cpp's slowest repeat beats our median in every format; at
-    batch 8 our int8 and int4 medians beat its fastest repeat, and fp32 is within its range."""
+    batch 8 our int8 and int4 medians beat its fastest repeat, and in fp32 its slowest repeat
+    still beats our median."""
     files = _cpu(reference_files("13", "*-llama-cpp.csv"))
     if not files:
         pytest.skip("no reference llama.cpp rows of chapter 13")
@@ -111,7 +114,7 @@ def test_ch13_llama_cpp_leads_at_batch_1_and_trails_in_int8_and_int4_at_batch_8(
         mine, theirs = pair(8, fmt)
         assert mine > theirs.decode_tok_s_max, fmt
     mine, theirs = pair(8, "fp32")
-    assert theirs.decode_tok_s_min <= mine <= theirs.decode_tok_s_max
+    assert theirs.decode_tok_s_min > mine
 
 
 def test_ch14_speculation_keeps_the_tokens_and_wins_where_the_chapter_says():
@@ -140,13 +143,13 @@ def test_ch14_speculation_keeps_the_tokens_and_wins_where_the_chapter_says():
 
 
 def test_ch11_compiled_makes_the_multiples_of_hf_the_chapter_states():
-    """Chapter 11: "1.48 times hf's tokens per second offline at batch 1 and 1.37 times at
+    """Chapter 11: "2.84 times hf's tokens per second offline at batch 1 and 1.63 times at
     batch 8" on the reference CPU."""
     runs = recorded_results("11")
     runs = runs[runs.device.astype(str).str.startswith("cpu") & (runs.engine == "compiled")]
     if runs.empty:
         pytest.skip("no reference recording of chapter 11")
-    said = {1: "1.48", 8: "1.37"}
+    said = {1: "2.84", 8: "1.63"}
     got = {int(b): f"{pct / 100:.2f}" for b, pct in zip(runs.batch_size, runs.pct_of_hf, strict=True)}
     assert got == said
 
