@@ -118,14 +118,16 @@ def test_ch13_llama_cpp_leads_at_batch_1_and_in_fp32_and_trails_in_int8_and_int4
 
 
 def test_ch14_speculation_keeps_the_tokens_and_wins_where_the_chapter_says():
-    """Chapter 14: every system gives prefix-cache's tokens at batch 1; against prefix-cache each
-    speculative system is faster (+), slower (-) or within noise (=) as the prose says."""
+    """Chapter 14: every system gives no drafts' tokens at batch 1; against no drafts each
+    drafter (ngram, suffix) is faster (+), slower (-) or within noise (=) as the prose says."""
     files = _cpu(reference_files("14", "*-speculative.csv"))
     if not files:
         pytest.skip("no reference recording of chapter 14")
-    said = {("batch-1", "copy"): "++", ("batch-1", "rewrite"): "=-",
-            ("batch-1", "open-ended"): "+=", ("served", "copy"): "==",
-            ("served", "rewrite"): "=-", ("served", "open-ended"): "=="}
+    said = {("batch-1", "dense", "rewrite"): "+=", ("batch-1", "dense", "copy"): "++",
+            ("batch-1", "dense", "open-ended"): "+=", ("served", "dense", "grounded"): "==",
+            ("served", "dense", "open-ended"): "--", ("batch-1", "int4", "rewrite"): "==",
+            ("batch-1", "int4", "copy"): "++", ("batch-1", "int4", "open-ended"): "==",
+            ("served", "int4", "grounded"): "==", ("served", "int4", "open-ended"): "=="}
 
     def verdict(row, base) -> str:
         return ("+" if row.tok_s_min > base.tok_s_max
@@ -134,12 +136,15 @@ def test_ch14_speculation_keeps_the_tokens_and_wins_where_the_chapter_says():
     for path in files:
         df = read_results(path)
         assert df[df.run == "batch-1"].same_tokens.astype(str).str.lower().eq("true").all()
-        by = df.set_index(["run", "workload", "system"])
-        for (run, workload), expected in said.items():
-            base = by.loc[(run, workload, "prefix-cache")]
-            got = "".join(verdict(by.loc[(run, workload, s)], base)
-                          for s in ("speculative", "speculative:fixed"))
-            assert got == expected, (run, workload, got)
+        by = df.set_index(["run", "weights", "workload", "system"])
+        for key, expected in said.items():
+            base = by.loc[(*key, "no drafts")]
+            got = "".join(verdict(by.loc[(*key, s)], base) for s in ("ngram", "suffix"))
+            assert got == expected, (key, got)
+        copy = by.loc[("batch-1", "dense", "copy", "ngram")]
+        assert round(copy.tok_s / by.loc[("batch-1", "dense", "copy", "no drafts")].tok_s, 2) \
+            == 1.67
+        assert copy.kept_drafts == "0:63 1:39 2:15 3:18"
 
 
 def test_ch11_compiled_makes_the_multiples_of_hf_the_chapter_states():
