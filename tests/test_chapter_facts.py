@@ -179,3 +179,33 @@ def test_ch01_hfs_step_against_both_roofs_is_what_the_chapter_states():
     over = {b: (f"{r.step_ms / r.floor_memory_ms:.1f}", f"{r.step_ms / r.floor_compute_ms:.1f}")
             for b, r in hf.iterrows()}
     assert over[1][0] == "6.5" and over[8] == ("9.2", "9.1"), over
+
+
+def test_ch15_the_whole_engine_against_the_peers_and_its_ablation_as_the_chapter_says():
+    """Chapter 15: against llama-server, ahead (+), behind (-) or within noise (=) per workload
+    and clients as "What it means" says; ahead of vLLM everywhere; the ablation's shares."""
+    files = _cpu(reference_files("15", "*-composed.csv"))
+    if not files:
+        pytest.skip("no reference recording of chapter 15")
+    df = read_results(files[0])
+    served = df[df.part == "peers"].set_index(["workload", "clients", "system"])
+    said = {("chat", 1): "=", ("grounded", 1): "=", ("open-ended", 1): "-",
+            ("chat", 4): "+", ("grounded", 4): "+", ("open-ended", 4): "=",
+            ("chat", 16): "+", ("grounded", 16): "+", ("open-ended", 16): "+"}
+    for (workload, clients), expected in said.items():
+        ours = served.loc[(workload, clients, "composed")]
+        theirs = served.loc[(workload, clients, "llama-server")]
+        got = ("+" if ours.output_throughput_min > theirs.output_throughput_max
+               else "-" if ours.output_throughput_max < theirs.output_throughput_min else "=")
+        assert got == expected, (workload, clients, got)
+        vllm = served.loc[(workload, clients, "vllm")]
+        assert ours.output_throughput_min > vllm.output_throughput_max, (workload, clients)
+    ablation = df[df.part == "ablation"].set_index(["workload", "system"]).output_throughput
+    shares = {key: round(ablation[key] / ablation[(key[0], "composed")], 2)
+              for key in ablation.index if key[1] != "composed"}
+    assert shares == {("chat", "- int4 (fp32 weights)"): 1.13, ("chat", "- compiled (eager)"): 0.71,
+                      ("chat", "- prefix caching"): 0.85, ("chat", "- speculation"): 1.06,
+                      ("grounded", "- int4 (fp32 weights)"): 1.15,
+                      ("grounded", "- compiled (eager)"): 0.56,
+                      ("grounded", "- prefix caching"): 0.76,
+                      ("grounded", "- speculation"): 0.93}, shares
