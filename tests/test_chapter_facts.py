@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from miniinfer.book import read_results, recorded_results, reference_files
+from miniinfer.book import RESULTS, read_results, recorded_results, reference_files
 
 
 def _cpu(files):
@@ -69,6 +69,78 @@ def _ch13_runs() -> pd.DataFrame:
     if "engine" not in runs or runs.empty:
         pytest.skip("no reference recording of chapter 13")
     return runs[runs.engine.notna()].astype({"batch_size": int})
+
+
+def test_ch09_the_cache_pays_where_the_chapter_says_and_the_no_hit_rows_drift_as_stated():
+    """Chapter 09, one run per system: prefix-cache over continuous in output tok/s and TTFT
+    p50 (lower by), the no-hit rows' drift and their decode-only steps, and the chats' turns."""
+    def runs(slug):
+        r = read_results(RESULTS / "ch09" / f"{slug}-runs.csv").set_index(["experiment", "system"])
+        def ratio(experiment, column):
+            cached, plain = (r.loc[(experiment, s), column] for s in ("prefix-cache", "continuous"))
+            return cached / plain if column == "output_throughput" else plain / cached
+        return ratio
+
+    def decode_only_ms(slug, experiment):
+        s = read_results(RESULTS / "ch09" / f"{slug}-steps.csv").query(
+            "num_prefill_tokens == 0 and experiment == @experiment")
+        ms = (s.end_s - s.start_s).groupby(s.system).median() * 1e3
+        return round(ms["prefix-cache"], 1), round(ms["continuous"], 1)
+
+    # The slugs the chapter shows (its GPU rows stand in from an H100).
+    cpu, gpu = (next(f.name.removesuffix("-runs.csv") for f in reference_files("09", "*-runs.csv")
+                     if f.name.startswith(kind)) for kind in ("cpu-", "cuda-"))
+    ratio = runs(cpu)
+    assert [round(ratio(e, "output_throughput"), 2) for e in ("prefix-len-0", "nothing-shared")] \
+        + [round(1 / ratio(e, "ttft_p50_ms"), 2) for e in ("prefix-len-0", "nothing-shared")] \
+        == [1.23, 1.02, 1.04, 1.17]  # TTFT 1.04x and 1.17x higher
+    assert [round(x) for x in decode_only_ms(cpu, "prefix-len-0")
+            + decode_only_ms(cpu, "nothing-shared")] == [114, 145, 148, 159]
+    assert (round(ratio("shared-prefix", "ttft_p50_ms"), 1),
+            round(ratio("shared-prefix", "output_throughput"), 1),
+            round(ratio("prefix-len-1024", "ttft_p50_ms"), 1),
+            round(ratio("prefix-len-256", "ttft_p50_ms"), 1)) == (5.8, 2.3, 4.3, 1.8)
+    ratio = runs(gpu)
+    assert [round(ratio(e, "output_throughput"), 2) for e in ("prefix-len-0", "prefix-len-128",
+                                                    "nothing-shared")] == [1.25, 0.82, 1.14]
+    assert [decode_only_ms(gpu, e) for e in ("prefix-len-0", "prefix-len-128", "nothing-shared")] \
+        == [(21.7, 27.6), (28.1, 20.9), (21.9, 26.4)]
+    ttft = [ratio(f"prefix-len-{n}", "ttft_p50_ms") for n in (256, 512, 1024)]
+    assert (round(min(ttft), 1), round(max(ttft), 1)) == (2.5, 7.9)
+    # The chats (chapter's last section): TTFT p50 per turn, what turn 2 finds cached.
+    requests = read_results(RESULTS / "ch09" / f"{cpu}-requests.csv").query(
+        "experiment == 'multi-turn'")
+    per_turn = requests.pivot_table(index="turn", columns="system", values="ttft_ms",
+                                    aggfunc="median")
+    lower = per_turn.continuous / per_turn["prefix-cache"]
+    assert [round(lower[t], 2 if t == 2 else 1) for t in (2, 3, 4)] == [1.18, 1.6, 2.8]
+    assert (round(per_turn["prefix-cache"].loc[2:].min()), round(per_turn["prefix-cache"].loc[2:].max()),
+            round(per_turn.continuous[4])) == (756, 851, 2327)
+    turn_2 = requests.query("turn == 2 and system == 'prefix-cache'")
+    assert (turn_2.cached_tokens.median(), turn_2.prompt_len.median()) == (32, 147)
+
+
+def test_ch12_three_ranks_on_one_cpu_cost_what_the_chapter_says():
+    """Chapter 12: TP=3 makes 0.20x of TP=1's tok/s at batch 1 and 0.31x at batch 8, every
+    repeat below TP=1's; it adds 393 ms to a batch-1 step, of which the 60 all-reduces' estimate
+    (the 4 KB p50 at N=3, the cell under the all-reduce table) is at most a fifth. The opening's
+    70B figures (141 GB, 41.5 ms a step at 3.35 TB/s) are the paper table's."""
+    from miniinfer.book.chapters import reference_device
+    from miniinfer.runner.tensor_parallel_costs import LLAMA_70B, paper_tensor_parallel
+
+    slug = reference_device("12", "cpu")
+    bench = read_results(RESULTS / "ch12" / f"{slug}.csv").set_index(["batch_size", "engine"])
+    for batch, said in ((1, 0.20), (8, 0.31)):
+        tp, whole = bench.loc[(batch, "tensor-parallel")], bench.loc[(batch, "continuous")]
+        assert round(tp.tok_s / whole.tok_s, 2) == said, batch
+        assert tp.pct_of_hf_max < whole.pct_of_hf_min, batch
+    added = bench.loc[(1, "tensor-parallel")].step_ms - bench.loc[(1, "continuous")].step_ms
+    assert round(added) == 393
+    reduce = read_results(RESULTS / "ch12" / f"{slug}-allreduce.csv")
+    p50_ms = reduce.query("world_size == 3 and message_bytes == 4096").p50_us.item() / 1e3
+    assert 60 * p50_ms <= added / 5
+    big = pd.DataFrame(paper_tensor_parallel(LLAMA_70B)).set_index("tp").loc[1]
+    assert (round(big.weights_per_device_GB), round(big.bandwidth_floor_ms, 1)) == (141, 41.5)
 
 
 def test_ch13_quantized_stages_against_fp32_where_the_chapter_says():
