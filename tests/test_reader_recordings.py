@@ -121,3 +121,23 @@ def test_the_dry_runs_estimate_is_the_most_recently_finished_run_of_a_chapter(tm
     (tmp_path / "repro-ccccccc.csv").write_text(header + "14,cpu,424.2,no,2026-11-29T16:29:18Z\n"
                                                 "13,cpu,87.5,no,2026-11-29T07:47:56Z\n")
     assert last_logged_seconds(tmp_path) == {("14", "cpu"): 1123.1, ("13", "cpu"): 87.5}
+
+
+def test_your_recordings_are_this_devices_files_in_the_readers_folder_and_none_for_the_book(
+        readers_folder, monkeypatch, capsys):
+    """The chapters' "your machine" cells: the reader's files for this device, a line saying
+    how to record them when there are none, and none in the book's sitting (whose recordings
+    land in data/results and are the reference the chapter already shows)."""
+    from miniinfer.book import your_recordings
+
+    assert your_recordings("13", "cpu-x*.csv") == []
+    assert capsys.readouterr().out == \
+        "no recording of yours yet (cpu-x*.csv): make chapter-13 records one\n"
+    (readers_folder / "ch13").mkdir(parents=True)
+    mine = readers_folder / "ch13" / "cpu-x-quality.csv"
+    for path in (mine, readers_folder / "ch13" / "cpu-y.csv"):
+        path.write_text("a\n1\n")
+    assert your_recordings("13", "cpu-x*.csv") == [mine] and capsys.readouterr().out == ""
+    monkeypatch.setenv(devices.FOR_BOOK_ENV, "1")
+    assert any((RESULTS / "ch13").glob("cpu-*.csv"))
+    assert your_recordings("13", "cpu-*.csv") == []

@@ -40,6 +40,7 @@ from .results import (
     speed_of_light_table,
     stage_results,
     this_device_or_live,
+    your_recordings,
 )
 from .roofline import plot_roofline
 
@@ -55,6 +56,6 @@ __all__ = [
     "recorded_context_sweeps", "recorded_results", "recorded_runs", "recorded_timelines",
     "results_markdown",
     "show_diff", "speed_of_light_table", "stage_color", "stage_results",
-    "stage_tree", "this_device_or_live",
+    "stage_tree", "this_device_or_live", "your_recordings",
    
 ]

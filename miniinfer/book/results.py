@@ -265,6 +265,20 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
 
 
+def your_recordings(chapter: str, pattern: str) -> list[Path]:
+    """This machine's own recordings of a chapter (what the reader's ``make chapter-NN`` wrote
+    under ``data/yours/chNN/``) matching ``pattern``; when there are none, one line saying how
+    to record them. The book's own sitting (``repro --for-book``) lists none: what it records
+    is the reference the chapter already shows, not a reader's."""
+    from ..bench.devices import RESULTS_DIR, recording_root
+
+    root = recording_root()
+    files = [] if root == RESULTS_DIR else sorted((root / f"ch{chapter}").glob(pattern))
+    if not files:
+        print(f"no recording of yours yet ({pattern}): make chapter-{chapter} records one")
+    return files
+
+
 def recorded_rows(chapters: list[str]) -> pd.DataFrame:
     """Every row of the chapters' recorded CSVs (benchmarks, profiles, serving runs), in one
     frame (empty where none is recorded)."""
