@@ -30,17 +30,13 @@ def test_ch05_the_matmuls_stand_above_their_roofs_by_what_the_chapter_states(smo
     if not rooflines:
         pytest.skip("no recorded roofline of the reference CPU")
     (roofline,) = rooflines
-    matmuls = roofline.table[(roofline.table.op != "attention")
-                             & roofline.table.ms_per_step.notna()]
-    by_batch = matmuls.groupby("batch_size")
-    per_batch = by_batch.ms_per_step.sum()
-    at_roofs = (matmuls.flops / matmuls.attainable_gflops / 1e6).groupby(matmuls.batch_size).sum()
-    above = (per_batch / at_roofs).round(1).to_dict()
+    matmuls = roofline.matmuls_against_roofs()
+    above = matmuls["x their roofs' time"].round(1).to_dict()
     assert above == {1: 4.9, 8: 7.8, 32: 3.6, 128: 1.5}, above
-    assert round(by_batch.bytes.sum()[1] / per_batch[1] / 1e6, 1) == 10.0
+    ms = matmuls["matmuls ms per step"]
+    assert round(matmuls.bytes[1] / ms[1] / 1e6, 1) == 10.0
     assert round(roofline.bandwidth_gbs, 1) == 49.1 and round(roofline.peak_gflops, 1) == 187.8
-    assert round(100 * by_batch.flops.sum()[128] / per_batch[128] / 1e6
-                 / roofline.peak_gflops) == 66
+    assert round(100 * matmuls.flops[128] / ms[128] / 1e6 / roofline.peak_gflops) == 66
 
 
 def test_ch05_nearly_every_gpu_launch_of_a_step_is_inside_the_model_forward():

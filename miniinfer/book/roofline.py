@@ -260,6 +260,19 @@ class DeviceRoofline:
     def missing(self) -> list[int]:
         return sorted(set(self.table.batch_size[self.table.ms_per_step.isna()]))
 
+    def matmuls_against_roofs(self) -> pd.DataFrame:
+        """Per batch size, the step's matmuls: their measured ms, the ms they would take at
+        their roofs (each op's FLOPs at its attainable rate), and how many times that they
+        took: chapter 05's cost model in one row per batch."""
+        matmuls = self.table[(self.table.op != "attention") & self.table.ms_per_step.notna()]
+        by_batch = matmuls.groupby("batch_size")
+        measured = by_batch.ms_per_step.sum()
+        at_roofs = (matmuls.flops / matmuls.attainable_gflops / 1e6).groupby(
+            matmuls.batch_size).sum()
+        return pd.DataFrame({"matmuls ms per step": measured, "at their roofs": at_roofs,
+                             "x their roofs' time": measured / at_roofs,
+                             "bytes": by_batch.bytes.sum(), "flops": by_batch.flops.sum()})
+
     def plot(self):
         return plot_roofline(self.table, self.bandwidth_gbs, self.peak_gflops,
                              f"a decode step on {self.device_name} ({self.dtype})")
