@@ -600,6 +600,41 @@ def test_ctrl_c_stops_a_run_whose_worker_lost_the_first_interrupt():
     assert len(interrupts) == 2 and worker.busy_thread is None
 
 
+def test_ctrl_c_inside_the_submit_stops_the_run_the_worker_has_started():
+    """Ctrl-C can land in the main thread inside ``executor.submit``, after the worker has
+    started the call and before the future is returned: the run must still be interrupted and
+    ended before the main thread goes on (else the executor waits for all of it; a CI run's
+    bench-serving went on for the 10 minutes its test allows)."""
+    from miniinfer.bench.serving.benchmark import _Worker
+
+    started, released, ended = threading.Event(), threading.Event(), []
+
+    def long_run() -> None:
+        started.set()
+        try:
+            while not released.wait(0.01):  # ends when interrupted (or when the test gives up)
+                pass
+        finally:
+            ended.append("released" if released.is_set() else "interrupted")
+
+    class SubmitThatIsInterrupted:
+        def __init__(self, executor: ThreadPoolExecutor) -> None:
+            self.executor = executor
+
+        def submit(self, *args):
+            self.executor.submit(*args)
+            assert started.wait(600)
+            raise KeyboardInterrupt  # as SIGINT would, before submit returns the future
+
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        worker = _Worker(SubmitThatIsInterrupted(executor))
+        with pytest.raises(KeyboardInterrupt):
+            worker.run(long_run)
+        after_run = (list(ended), worker.busy_thread)
+        released.set()
+    assert after_run == (["interrupted"], None)
+
+
 @pytest.mark.parametrize("command", [BENCH, SERVE])
 def test_ctrl_c_while_the_model_loads(command, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kwargs):

@@ -9,7 +9,6 @@ import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -81,6 +80,7 @@ class _Worker:
     def __init__(self, executor: ThreadPoolExecutor) -> None:
         self.executor = executor
         self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)  # notified when a call ends
         self.busy_thread: int | None = None  # the worker's id while it runs a call
         self.interrupted = False  # Ctrl-C came before the worker started the call
 
@@ -92,31 +92,35 @@ class _Worker:
         try:
             return fn(*args)
         finally:
-            # An interrupt sent before this point lands in here at the latest, never later
-            # in the executor's own loop.
-            with self.lock:
-                self.busy_thread = None
+            # An interrupt sent before the worker is marked idle lands in here at the latest,
+            # never later in the executor's own loop; one landing here is the same Ctrl-C.
+            while True:
+                try:
+                    with self.lock:
+                        self.busy_thread = None
+                        self.idle.notify_all()
+                    break
+                except KeyboardInterrupt:
+                    continue
 
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         self.interrupted = False
-        future = None
         try:  # from the submit on: Ctrl-C may land after the call is queued
-            future = self.executor.submit(self._call, fn, *args)
-            return future.result()
+            return self.executor.submit(self._call, fn, *args).result()
         except KeyboardInterrupt:
             with self.lock:
                 if self.busy_thread is None:  # not started yet: it must not start, or the
                     self.interrupted = True  # executor waits for all of it
-            # Raised in the worker again each second until the call has ended: one that lands
-            # while the worker runs a finalizer (a __del__, a weakref callback) is only printed
-            # there, and the run would go on (a CI run's bench-serving once went on for 10
-            # minutes after Ctrl-C; not reproduced since, and this is the one way found).
-            while future is not None and not future.done():
-                with self.lock:
-                    if self.busy_thread is not None:
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                            ctypes.c_ulong(self.busy_thread), ctypes.py_object(KeyboardInterrupt))
-                futures_wait([future], timeout=1.0)
+                # Raised in the worker again each second until the call has ended: one that
+                # lands while the worker runs a finalizer (a __del__, a weakref callback) is
+                # only printed there, and the run would go on. Waited for by the worker's own
+                # state, not the future: Ctrl-C can land inside ``submit`` after the call has
+                # started, before the future is returned (a CI run's bench-serving then went
+                # on for the 10 minutes the test allows).
+                while self.busy_thread is not None:
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                        ctypes.c_ulong(self.busy_thread), ctypes.py_object(KeyboardInterrupt))
+                    self.idle.wait(timeout=1.0)
             raise
 
 
