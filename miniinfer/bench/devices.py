@@ -116,10 +116,15 @@ FOR_BOOK_ENV = "MINIINFER_RECORD_FOR_BOOK"
 DEVICES_CSV = RESULTS_DIR / "devices.csv"
 
 
+def recording_for_book() -> bool:
+    """Whether this process is the book's own sitting (``repro --for-book``), not a reader's."""
+    return os.environ.get(FOR_BOOK_ENV) == "1"
+
+
 def recording_root() -> Path:
     """Where a recording made now goes: the book's results for ``repro --for-book``, else the
     reader's own folder."""
-    return RESULTS_DIR if os.environ.get(FOR_BOOK_ENV) == "1" else YOURS_DIR
+    return RESULTS_DIR if recording_for_book() else YOURS_DIR
 DEVICE_FIELDS = ("slug", "isa", "name", "bandwidth_gbs", "peak_gflops", "threads",
                  "how_measured", "date")
 

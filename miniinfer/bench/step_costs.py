@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ..core.hardware import RESULTS_DIR
 from ..core.models import dtype_name, load_model
 from ..core.sampling import SamplingParams
 from ..engines import make_engine
 from ..engines.speculative import step_costs_file
-from .devices import LoadGuard, recording_root, run_metadata
+from .devices import LoadGuard, recording_for_book, recording_root, run_metadata
 
 FIELDS = ("model", "forward", "weights", "dtype", "context", "tokens", "repeats", "step_ms",
           "step_ms_min", "step_ms_max", "relative_cost")
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['tokens']:>2} tokens: {row['step_ms']:7.2f} ms "
               f"({row['step_ms_min']:.2f}-{row['step_ms_max']:.2f}), "
               f"{row['relative_cost']:.2f}x one token")
-    where = "the book's" if path.is_relative_to(RESULTS_DIR) else "your"
+    where = "the book's" if recording_for_book() else "your"
     print(f"wrote {where} step costs: {path}")
     return 0
 

@@ -250,16 +250,15 @@ def this_device_or_live(lm, p: Preset, engines: dict | None = None,
     the reader's ``make chapter-NN`` has just written for this device
     (``data/yours/chNN/<device><suffix>.csv``) is shown as is (re-measuring it would only double
     the wait); otherwise, and when this device has no CSV yet, it is measured now."""
-    from ..bench.devices import RESULTS_DIR, device_slug, recording_root
+    from ..bench.devices import device_slug, recording_for_book, recording_root
     from ..bench.offline import run_bench
 
-    root = recording_root()
-    path = root / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
+    path = recording_root() / f"ch{p.bench.chapter}" / f"{device_slug(lm.device)}{suffix}.csv"
     if p.name == "full" and path.exists():
         df = read_results(path)
         if df.model.iloc[0] == lm.name:
             # The book's sitting (``repro --for-book``) writes the reference files, not a reader's.
-            whose = ("the book's reference recording" if root == RESULTS_DIR
+            whose = ("the book's reference recording" if recording_for_book()
                      else f"recorded by your make chapter-{p.bench.chapter}")
             return df, f"{whose} on this device ({df.device_name.iloc[0]}; {path.name})"
     return run_bench(lm, p.bench, engines), "measured live in this notebook"
@@ -270,10 +269,10 @@ def your_recordings(chapter: str, pattern: str) -> list[Path]:
     under ``data/yours/chNN/``) matching ``pattern``; when there are none, one line saying how
     to record them. The book's own sitting (``repro --for-book``) lists none: what it records
     is the reference the chapter already shows, not a reader's."""
-    from ..bench.devices import RESULTS_DIR, recording_root
+    from ..bench.devices import recording_for_book, recording_root
 
-    root = recording_root()
-    files = [] if root == RESULTS_DIR else sorted((root / f"ch{chapter}").glob(pattern))
+    files = [] if recording_for_book() else sorted(
+        (recording_root() / f"ch{chapter}").glob(pattern))
     if not files:
         print(f"no recording of yours yet ({pattern}): make chapter-{chapter} records one")
     return files
