@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from miniinfer.book import RESULTS, read_results, recorded_results, reference_files
+from miniinfer.book.chapters import reference_device
 
 
 def _cpu(files):
@@ -23,7 +24,8 @@ def _verdict(lo: float, hi: float, base_lo: float, base_hi: float) -> str:
 def test_ch05_the_matmuls_stand_above_their_roofs_by_what_the_chapter_states(smollm2):
     """Chapter 05's roofline text: the matmuls take 4.9x, 7.8x, 3.6x and 1.5x their time at the
     roofs at batch 1, 8, 32 and 128, batch 1's reading the weights at 10.0 GB/s, a fifth of the
-    copy roof, batch 128's at 66% of peak."""
+    copy roof, batch 128's at 66% of peak; its cost model's 52 ms of matmuls in an 80 ms
+    profiled batch-1 step."""
     from miniinfer.book.roofline import recorded_rooflines
 
     rooflines = recorded_rooflines(smollm2.config)  # the reference CPU's, from its files
@@ -37,6 +39,12 @@ def test_ch05_the_matmuls_stand_above_their_roofs_by_what_the_chapter_states(smo
     assert round(matmuls.bytes[1] / ms[1] / 1e6, 1) == 10.0
     assert round(roofline.bandwidth_gbs, 1) == 49.1 and round(roofline.peak_gflops, 1) == 187.8
     assert round(100 * matmuls.flops[128] / ms[128] / 1e6 / roofline.peak_gflops) == 66
+    # The cost model's section: the profile's matmuls (aten::mm) in its batch-1 step.
+    slug = reference_device("05", "cpu")
+    top = read_results(RESULTS / "ch05" / f"{slug}-top.csv").query("batch_size == 1")
+    phases = read_results(RESULTS / "ch05" / f"{slug}-phases.csv").query("batch_size == 1")
+    assert round(top.set_index("name").ms_per_step["aten::mm"]) == 52
+    assert round(phases.set_index("phase").ms_per_step["decode_step"]) == 80
 
 
 def test_ch05_nearly_every_gpu_launch_of_a_step_is_inside_the_model_forward():
@@ -121,7 +129,6 @@ def test_ch12_three_ranks_on_one_cpu_cost_what_the_chapter_says():
     repeat below TP=1's; it adds 393 ms to a batch-1 step, of which the 60 all-reduces' estimate
     (the 4 KB p50 at N=3, the cell under the all-reduce table) is at most a fifth. The opening's
     70B figures (141 GB, 41.5 ms a step at 3.35 TB/s) are the paper table's."""
-    from miniinfer.book.chapters import reference_device
     from miniinfer.runner.tensor_parallel_costs import LLAMA_70B, paper_tensor_parallel
 
     slug = reference_device("12", "cpu")
