@@ -190,17 +190,18 @@ def _check_kernel(in_features: int) -> None:
 class Int4Linear(Linear):
     """``y = x W^T + b`` with ``W`` as Q4_1 blocks (CPU only). ``compute_dtype``: what the
     activations are inside the product. ``torch.int8`` (the default where it runs): chapter
-    13's kernel over the file's blocks. Otherwise ``_weight_int4pack_mm_for_cpu`` in that dtype
-    (fp32: the file's weights exactly, slowly; bf16: ``d`` and ``m + 8d`` rounded to bf16)."""
+    13's kernel over the file's blocks, repacked for it at load. Otherwise
+    ``_weight_int4pack_mm_for_cpu`` in that dtype (fp32: the file's weights exactly, slowly;
+    bf16: ``d`` and ``m + 8d`` rounded to bf16)."""
 
     def __init__(self, weight: Q4_1Weight, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)  # no dense weight: that is the point
-        in_features = weight.q.shape[1]
+        self._out_features, in_features = weight.q.shape
         self.compute_dtype = compute_dtype or default_compute_dtype(in_features)
         if self.compute_dtype == torch.int8:
             _check_kernel(in_features)
-            self.register_buffer("blocks", weight.file_blocks())
+            self.register_buffer("blocks", cpu_quantized.pack_q4_1(weight.file_blocks()))
         else:
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 weight.q.to(torch.int32), 1))
@@ -212,11 +213,11 @@ class Int4Linear(Linear):
 
     @property
     def out_features(self) -> int:
-        return (self.blocks if self.compute_dtype == torch.int8 else self.packed).shape[0]
+        return self._out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype == torch.int8:
-            y = cpu_quantized.q4_1_linear(_flat(x, torch.float32), self.blocks)
+            y = cpu_quantized.q4_1_linear(_flat(x, torch.float32), self.blocks, self.out_features)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 _flat(x, self.compute_dtype), self.packed, GROUP, self.scales_and_zeros)
@@ -226,12 +227,13 @@ class Int4Linear(Linear):
 class Int8Linear(Linear):
     """``y = x W^T + b`` with ``W = scale * q`` per output row, q int8 in -127..127.
     ``compute_dtype`` as :class:`Int4Linear`'s: ``torch.int8``, chapter 13's kernel (fp32
-    scales); otherwise ``_weight_int8pack_mm`` in that dtype, the scale rounded to it before
-    the codes are chosen, so the codes fit the scale the op uses."""
+    scales, the codes repacked for it); otherwise ``_weight_int8pack_mm`` in that dtype, the
+    scale rounded to it before the codes are chosen, so the codes fit the scale the op uses."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  compute_dtype: torch.dtype | None = None) -> None:
         nn.Module.__init__(self)
+        self._out_features = weight.shape[0]
         self.compute_dtype = compute_dtype or default_compute_dtype(weight.shape[1])
         if self.compute_dtype == torch.int8:
             _check_kernel(weight.shape[1])
@@ -240,20 +242,27 @@ class Int8Linear(Linear):
         scale = scale.to(torch.float32 if self.compute_dtype == torch.int8
                          else self.compute_dtype)
         self.register_buffer("scales", scale)
-        self.register_buffer("codes", torch.round(w / scale.float()[:, None])
-                             .clamp(-127, 127).to(torch.int8))
+        codes = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        if self.compute_dtype == torch.int8:
+            self.register_buffer("groups", cpu_quantized.pack_int8(codes))
+        else:
+            self.register_buffer("codes", codes)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self._out_features
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
+        if self.compute_dtype == torch.int8:
+            codes = cpu_quantized.unpack_int8(self.groups, self.out_features)
+        else:
+            codes = self.codes
+        return codes.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype == torch.int8:
-            y = cpu_quantized.int8_linear(_flat(x, torch.float32), self.codes, self.scales)
+            y = cpu_quantized.int8_linear(_flat(x, torch.float32), self.groups, self.scales)
         else:
             y = torch.ops.aten._weight_int8pack_mm(_flat(x, self.compute_dtype), self.codes,
                                                    self.scales)

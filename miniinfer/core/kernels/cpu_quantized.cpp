@@ -1,25 +1,21 @@
 // Q4_1 and int8 linears with integer dot products, for CPU steps (chapter 13).
 //
-// y = x W^T for x [M, K] fp32 and W as the file ships it: Q4_1 blocks of 32 weights, each
-// block 20 bytes (fp16 d, fp16 m, 16 bytes of 4-bit codes q, the low nibbles weights 0-15 and
-// the high nibbles 16-31), w = d * q + m; or int8 codes with one fp32 scale per output row.
-// The weights are never turned into floats. Instead each row of x is quantized, per block of
-// 32, to int8 codes c with a scale s (s = max |x| / 127), as llama.cpp does, and a block's
-// dot product becomes
+// y = x W^T for x [M, K] fp32 and W from the file's Q4_1 blocks (32 weights, fp16 d and m,
+// 4-bit codes q, w = d * q + m) or int8 codes with one fp32 scale per output row. The weights
+// are never turned into floats. Each row of x is quantized, per block of 32, to int8 codes c
+// with a scale s (s = max |x| / 127), as llama.cpp does, and a block's dot product becomes
 //
 //     sum_i w_i x_i  ~  d s * sum_i q_i c_i  +  m * (s * sum_i c_i)
 //
-// The first sum is integers only (unsigned 4-bit codes times signed 8-bit codes: one
-// `maddubs` and one `madd` on AVX2, one `dpbusd` with AVX-512 VNNI); the scales are applied
-// once a block, and the minimum's term once a block from the activation block's sum, which is
-// computed once per row, not once per output. For int8 weights the signs move onto the
-// activations (|w| times sign(w) c), as `maddubs` wants one unsigned operand.
+// The first sum is integers only; the scales are applied once a block, and the minimum's term
+// once a block from the activation block's sum, computed once per row of x, not per output.
 //
-// The loops (cpu_quantized_tiles.h) work in tiles of four output rows by two rows of x (a
-// batch's decodes, a verification's k + 1 tokens): a weight block is read once for both rows.
-// Threads take ranges of output rows. The AVX2 and the AVX-512 VNNI loops are compiled into one
-// library, each under its own target, and chosen when called, so one build runs on any x86
-// CPU with AVX2 (and says so where there is none).
+// The weights are repacked once, at load, into groups of 8 output rows whose bytes interleave
+// (cpu_quantized_tiles.h): the layout the integer instructions want, so that a block's 8 dot
+// products take 8 instructions and no horizontal sums. Threads take ranges of groups, one
+// parallel region a call. The AVX2 and the AVX-512 VNNI loops are compiled into one library,
+// each under its own target, and chosen when called, so one build runs on any x86 CPU with
+// AVX2 (and says so where there is none).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,14 +25,17 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 32;       // weights (and activations) per block
-constexpr int64_t kQ4_1Bytes = 20;   // fp16 d, fp16 m, 16 bytes of codes
+constexpr int64_t kBlock = 32;              // weights (and activations) per block
+constexpr int64_t kGroup = 8;               // output rows interleaved in the packed layout
+constexpr int64_t kPackedQ4_1Bytes = 160;   // a group's block: 8 fp16 d, 8 fp16 m, 8 x 16 codes
+constexpr int64_t kPackedInt8Bytes = 256;   // a group's block: 8 x 32 int8 codes
 
 enum Isa : int64_t { kAuto = 0, kAvx2 = 1, kAvx512Vnni = 2 };
 
@@ -58,11 +57,13 @@ Isa choose(int64_t asked) {
   return has_avx512_vnni() ? kAvx512Vnni : kAvx2;
 }
 
-// x's rows as int8 codes per block of 32, each block's scale and scale * sum of its codes.
+// x's rows as int8 codes per block of 32, each block's scale and scale * sum of its codes,
+// and each row's total of those (the int8 kernel's offset correction).
 struct QuantizedActivations {
   std::vector<int8_t> codes;   // [M, K]
   std::vector<float> scales;   // [M, K / 32]
   std::vector<float> sums;     // [M, K / 32]
+  std::vector<float> totals;   // [M]
 };
 
 // One block of 32 floats to codes: scale = max|x| / 127, code = round-to-nearest-even(x *
@@ -104,12 +105,15 @@ void quantize_block(const float* x, int8_t* codes, float* scale, float* sum) {
 QuantizedActivations quantize(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
   QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * nb),
-                         std::vector<float>(M * nb)};
+                         std::vector<float>(M * nb), std::vector<float>(M)};
   at::parallel_for(0, M * nb, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       quantize_block(x + i * kBlock, a.codes.data() + i * kBlock, &a.scales[i], &a.sums[i]);
     }
   });
+  for (int64_t r = 0; r < M; ++r) {
+    a.totals[r] = std::accumulate(a.sums.begin() + r * nb, a.sums.begin() + (r + 1) * nb, 0.0f);
+  }
   return a;
 }
 
@@ -133,12 +137,10 @@ constexpr bool kVnni = true;
 
 // -- the ops ---------------------------------------------------------------------------------------
 
-// Threads take ranges of output rows, whole tiles of four.
-template <typename Outputs>
-void over_outputs(int64_t N, Outputs outputs) {
-  at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t begin, int64_t end) {
-    outputs(4 * begin, std::min(N, 4 * end));
-  });
+// Threads take ranges of groups: a static split, one parallel region a call.
+template <typename Groups>
+void over_groups(int64_t groups, Groups run) {
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) { run(begin, end); });
 }
 
 void check_x(const at::Tensor& x, int64_t K) {
@@ -149,50 +151,56 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(K % kBlock == 0, "in_features must be a multiple of 32, got ", K);
 }
 
-at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t isa) {
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.is_contiguous() &&
-                  blocks.size(1) % kQ4_1Bytes == 0,
-              "blocks must be contiguous uint8 [out_features, in_features / 32 * 20]");
-  const int64_t M = x.size(0), N = blocks.size(0), nb = blocks.size(1) / kQ4_1Bytes;
-  const int64_t K = nb * kBlock;
+void check_packed(const at::Tensor& packed, at::ScalarType dtype, int64_t bytes, int64_t N,
+                  const char* what) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == dtype && packed.is_contiguous() &&
+                  packed.size(2) == bytes,
+              what, " must be contiguous [groups of 8 rows, in_features / 32, ", bytes,
+              "] as the pack function makes them");
+  TORCH_CHECK(N >= 0 && (N + kGroup - 1) / kGroup == packed.size(0), "out_features ", N,
+              " does not fill ", packed.size(0), " groups of 8 rows");
+}
+
+at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t isa) {
+  check_packed(packed, at::kByte, kPackedQ4_1Bytes, N, "packed Q4_1 weights");
+  const int64_t M = x.size(0), nb = packed.size(1), K = nb * kBlock;
   check_x(x, K);
   const Isa chosen = choose(isa);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedActivations a = quantize(x.data_ptr<float>(), M, K);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
   float* out = y.data_ptr<float>();
-  over_outputs(N, [&](int64_t n0, int64_t n1) {
+  over_groups(packed.size(0), [&](int64_t g0, int64_t g1) {
     if (chosen == kAvx512Vnni) {
-      avx512_vnni::q4_1_outputs(a, w, nb, M, n0, n1, out, N);
+      avx512_vnni::q4_1_outputs(a, w, nb, M, g0, g1, out, N);
     } else {
-      avx2::q4_1_outputs(a, w, nb, M, n0, n1, out, N);
+      avx2::q4_1_outputs(a, w, nb, M, g0, g1, out, N);
     }
   });
   return y;
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                        int64_t isa) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "codes must be contiguous int8 [out_features, in_features]");
-  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat &&
-                  scales.size(0) == codes.size(0) && scales.is_contiguous(),
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous(),
               "scales must be fp32 [out_features]");
-  const int64_t M = x.size(0), N = codes.size(0), K = codes.size(1);
+  const int64_t N = scales.size(0);
+  check_packed(packed, at::kChar, kPackedInt8Bytes, N, "packed int8 weights");
+  const int64_t M = x.size(0), nb = packed.size(1), K = nb * kBlock;
   check_x(x, K);
   const Isa chosen = choose(isa);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedActivations a = quantize(x.data_ptr<float>(), M, K);
-  const int8_t* w = codes.data_ptr<int8_t>();
+  const int8_t* w = packed.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
   float* out = y.data_ptr<float>();
-  over_outputs(N, [&](int64_t n0, int64_t n1) {
+  over_groups(packed.size(0), [&](int64_t g0, int64_t g1) {
     if (chosen == kAvx512Vnni) {
-      avx512_vnni::int8_outputs(a, w, s, K, M, n0, n1, out, N);
+      avx512_vnni::int8_outputs(a, w, s, nb, M, g0, g1, out, N);
     } else {
-      avx2::int8_outputs(a, w, s, K, M, n0, n1, out, N);
+      avx2::int8_outputs(a, w, s, nb, M, g0, g1, out, N);
     }
   });
   return y;
@@ -213,8 +221,8 @@ at::Tensor available_isas() {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(miniinfer, m) {
-  m.def("q4_1_linear(Tensor x, Tensor blocks, int isa=0) -> Tensor");
-  m.def("int8_linear(Tensor x, Tensor codes, Tensor scales, int isa=0) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor packed, int out_features, int isa=0) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor packed, Tensor scales, int isa=0) -> Tensor");
   m.def("quantized_isas() -> Tensor");
 }
 
