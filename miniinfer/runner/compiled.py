@@ -150,6 +150,13 @@ class CompileOptions:
     # graphs' own time (chapter 11's step profile). A setting of inductor's, so its graphs are
     # compiled and cached apart from the stage's; off, the stage never pays for it.
     kernel_profile: bool = False
+    # After a bucket's first call, run only the guards that choose among its graphs (torch's
+    # skip_guard_eval_unsafe): safe because every graph is static but for the context width,
+    # compiled once per bucket, and nothing the other guards check changes after warm-up.
+    skip_guards: bool = True
+    # Each graph's kernels called from C++ (inductor's cpp_wrapper), not from a Python wrapper
+    # a kernel at a time.
+    cpp_wrapper: bool = True
 
     def __post_init__(self) -> None:
         buckets = self.token_buckets
@@ -309,7 +316,8 @@ class CompiledForward:
         # only while inductor compiles (what torch.compile's options= covers), since freezing
         # decides how dynamo lifts the weights; and passed as options= too (see _compile).
         self._graph_config = {"freezing": self.options.freezing,
-                              "cpp.enable_kernel_profile": self.options.kernel_profile}
+                              "cpp.enable_kernel_profile": self.options.kernel_profile,
+                              "cpp_wrapper": self.options.cpp_wrapper}
         # Patched around every call too: one graph per bucket, for the body and the head each,
         # is more than dynamo keeps for one function by default (8); forwards with other
         # options (chapter 11's ablation) add theirs to the same code, and past the limit
@@ -536,9 +544,23 @@ class CompiledForward:
             torch.compiler.cudagraph_mark_step_begin()
         # Any call may compile (a first one, or a recompile: which the guards decide), so
         # none adds to the in-memory artifact record (about 12 us a call).
-        with self._patches[0], self._patches[1], self._patches[2], \
-                _onednn_disabled() if first else nullcontext(), _no_mega_cache():
-            out = graph(*args)
+        out = None
+        if not first and self.options.skip_guards:
+            # A bucket's graph, once compiled, is chosen by the guards that told the graphs
+            # apart when they were compiled (the token count), not by all of them: evaluating
+            # every guard of a frozen model cost more than the rest of a batch-1 step's host
+            # work. Where those guards find no graph (a shape no graph was compiled for),
+            # torch refuses before running anything, and the call below compiles one.
+            try:
+                with _guards_skipped():
+                    out = graph(*args)
+            except RuntimeError as error:
+                if "skip_guard_eval_unsafe" not in str(error):
+                    raise
+        if out is None:
+            with self._patches[0], self._patches[1], self._patches[2], \
+                    _onednn_disabled() if first else nullcontext(), _no_mega_cache():
+                out = graph(*args)
         if self.device.type == "cuda":
             out = out.clone()
         if first:
@@ -668,6 +690,10 @@ def _no_mega_cache() -> Iterator[None]:
         return
     with CacheArtifactManager.with_fresh_cache():
         yield
+
+
+def _guards_skipped():
+    return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
 
 @contextmanager
