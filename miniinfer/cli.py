@@ -302,6 +302,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     options = {name: _runner_options(args, name) for name in args.engines}
     _check_model(args)
     _check_at_most(args.batch_sizes, MAX_BATCH_SIZE, "--batch-sizes")
+    if args.breakdown or args.against_llama_cpp:
+        return _bench_step(args, options)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                          warmup=args.warmup, repeat=args.repeat, chapter=args.chapter)
@@ -330,6 +332,47 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print(summary_table(df).to_string(index=False))
     if out is not None:
         write(df)
+        print(f"wrote {out}")
+
+
+def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
+    """``bench --breakdown`` and ``bench --against-llama-cpp``: a table, and the CSV."""
+    import pandas as pd
+
+    from .bench.devices import run_metadata
+    from .bench.offline import make_bench_engine
+    from .core.models import load_model
+
+    out = check_output_path(args.out, "--out") if args.out is not None else None
+    if args.against_llama_cpp:
+        from .bench.race import STAGES, race
+
+        unknown = [f for f in args.against_llama_cpp if f not in STAGES]
+        if unknown:
+            raise InvalidRequestError(f"--against-llama-cpp takes formats among {', '.join(STAGES)}, "
+                           f"got {', '.join(unknown)}")
+        if args.model != "smollm2-135m":
+            raise InvalidRequestError("--against-llama-cpp runs smollm2-135m, the model llama.cpp's "
+                           "GGUF holds")
+        lm = load_model(args.model, device="cpu")
+        df = race(lm, args.against_llama_cpp, args.batch_sizes, args.repeat, args.prompt_len,
+                  args.new_tokens)
+    else:
+        from .bench.breakdown import step_breakdown
+
+        lm = load_model(args.model, device=args.device, dtype=args.dtype)
+        frames = []
+        for name in args.engines:
+            engine = make_bench_engine(name, lm, **options[name])
+            for batch in args.batch_sizes:
+                frames.append(step_breakdown(engine, batch, args.prompt_len)
+                              .assign(engine=name, batch_size=batch))
+        df = pd.concat(frames).pivot_table(index=["engine", "batch_size"], columns="category",
+                                           values="ms", sort=False).reset_index()
+    df = df.assign(**{k: v for k, v in run_metadata(lm.device).items() if k not in df})
+    print(df.round(3).to_string(index=False))
+    if out is not None:
+        write_atomically(out, lambda path: df.to_csv(path, index=False))
         print(f"wrote {out}")
 
 
@@ -555,6 +598,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3)
     bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
     bench.add_argument("--out", help="CSV path (Ctrl-C: the finished rows, marked partial)")
+    bench.add_argument("--breakdown", action="store_true",
+                       help="instead: where a steady decode step's time goes (weight-reading "
+                            "kernels, other kernels, guards and dispatch, engine), per engine "
+                            "and batch size")
+    bench.add_argument("--against-llama-cpp", type=_csv_names, metavar="FORMATS",
+                       help="instead: our compiled stage against llama.cpp (make peers-llama) "
+                            "on the same weights, formats of int4,int8,fp32, interleaved "
+                            "round by round (--repeat rounds), paired ratios with 95%% intervals")
     engine_settings(bench)
     bench.set_defaults(func=cmd_bench)
 

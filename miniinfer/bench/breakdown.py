@@ -1,0 +1,88 @@
+"""Where a steady decode step's time goes (issue 92's waterfall): ``bench --breakdown``.
+
+One request decodes alone (batch 1, or ``batch`` requests in lockstep) past its prompt. First
+the steps are timed with nothing watching them: that wall time is the step. Then as many more
+steps run under ``torch.profiler``, whose self times of the kernels are what the kernels cost
+(the profiler's own overhead lands on the host side, not inside a kernel). So:
+
+- **weight-reading kernels**: the quantized linears (chapter 13's ops) and, on an eager dense
+  model, ATen's matmuls;
+- **the graph's other kernels**: attention, the compiled graphs' own loops (norms, RoPE, SiLU,
+  and on a compiled dense model its GEMMs, which run inside the graph) and every other ATen op;
+- **host**: the unwatched step minus those kernels, split by the profile between dynamo's
+  guards and the forward's Python (*guards and dispatch*) and everything outside the forward
+  (*engine*: schedule, plan, sample, commit, stop checks).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..core.sampling import SamplingParams
+from .offline import make_prompts
+
+WEIGHT_OPS = ("miniinfer::q4_1_linear", "miniinfer::int8_linear", "aten::mm", "aten::addmm",
+              "aten::linear", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
+# Time the profiler books to torch.compile's machinery, not to a kernel.
+DISPATCH_EVENTS = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "AOTDispatcher",
+                   "Pregraph bytecode", "CompiledFunction")
+GRAPH_EVENT = "## Call CompiledFxGraph"
+CATEGORIES = ("weight-reading kernels", "other kernels", "guards and dispatch", "engine")
+
+
+def _is_kernel(name: str) -> bool:
+    return name.startswith(("aten::", "miniinfer::", GRAPH_EVENT)) or "cpp_fused" in name
+
+
+def step_breakdown(engine, batch: int = 1, prompt_len: int = 64, steps: int = 40,
+                   warmup: int = 8) -> pd.DataFrame:
+    """ms per steady decode step in each of :data:`CATEGORIES` (and the step itself)."""
+    lm = engine.lm
+    params = SamplingParams(max_new_tokens=2 * (warmup + steps) + 8, ignore_eos=True)
+    prompts = make_prompts(lm, batch, prompt_len)
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))  # compile
+    ids = [engine.add_request(p, params) for p in prompts]
+    try:
+        while any(not r.output_ids for r in engine.requests.values()):
+            engine.step()  # the prefill
+        for _ in range(warmup):
+            engine.step()
+        walls = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                engine.step()
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+    step_ms = statistics.median(walls) * 1e3
+    weights = other = dispatch = forward = 0.0
+    for event in prof.key_averages():
+        self_ms = event.self_cpu_time_total / 1e3 / steps
+        if event.key in WEIGHT_OPS:
+            weights += self_ms
+        elif _is_kernel(event.key):
+            other += self_ms
+        elif event.key.startswith(DISPATCH_EVENTS) or event.key == "model_forward":
+            dispatch += self_ms
+        if event.key == "model_forward":
+            forward = event.cpu_time_total / 1e3 / steps
+    profiled_step = forward + max(0.0, prof.key_averages().self_cpu_time_total / 1e3 / steps
+                                  - forward)
+    host = max(0.0, step_ms - weights - other)
+    # The host's split, as the profile saw it (its overhead shared in proportion).
+    engine_share = max(0.0, profiled_step - forward)
+    total_host_profiled = max(dispatch + engine_share, 1e-9)
+    split = {"weight-reading kernels": weights, "other kernels": other,
+             "guards and dispatch": host * dispatch / total_host_profiled,
+             "engine": host * engine_share / total_host_profiled}
+    return pd.DataFrame([{"category": c, "ms": split[c]} for c in CATEGORIES]
+                        + [{"category": "step", "ms": step_ms}])
