@@ -526,6 +526,32 @@ def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim, kv_heads):
                                              tables[request], positions, 0.125)
 
 
+@pytest.mark.parametrize("kv_heads", [3, 1])
+def test_fewer_tokens_than_threads_split_a_tokens_kv_heads_and_agree_bit_for_bit(kv_heads):
+    """A batch-1 decode is one token: with two threads its kv heads go to both (each head's
+    arithmetic is the same wherever it runs), so the output equals the one-thread output
+    exactly, and a step of as many tokens as threads keeps each token whole."""
+    if (reason := cpu_decode.unavailable(64)) is not None:
+        pytest.fail(f"the C++ kernel should build wherever inductor does: {reason}")
+    torch.manual_seed(1)
+    block_size, slots, heads = 16, 8 * 16, 9
+    pool = torch.randn(2 * slots, kv_heads, 64)
+    tables = torch.tensor([[3, 7, 0, 5, 1, 2, 4, 6]], dtype=torch.int32)  # 128 positions
+    threads = torch.get_num_threads()
+    try:
+        for positions in (torch.tensor([100]), torch.tensor([100, 37])):
+            q = torch.randn(len(positions), heads, 64)
+            step_tables = tables.expand(len(positions), -1).contiguous()
+            outs = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                outs.append(cpu_decode.paged_token_attention(q, pool, 0, slots, block_size,
+                                                             step_tables, positions, 0.125))
+            assert torch.equal(outs[0], outs[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_verification_run_attends_bit_for_bit_as_its_tokens_decoded(dtype):
     """The longest verification a config allows (``MAX_DRAFT_TOKENS`` + 1 consecutive tokens

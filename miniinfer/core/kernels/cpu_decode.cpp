@@ -194,9 +194,10 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
   int64_t tile_tokens = 1;
   const TileFn tile = pick_tile(std::is_same_v<T, float>, group, block_size, dim, &tile_tokens);
   const int64_t kv_heads = pool.size(1), group_rows = tile_tokens * group;
-  // A piece of work: one token's every head, or one tile's one kv head. `kt` is where its
-  // request's transposed K begins (tiles only), `cost` about how many vector FMAs it takes.
-  struct Work { int64_t token, tokens, kv_head, kt, blocks, cost; };
+  // A piece of work: one token's heads head_begin .. head_end, or one tile's one kv head. `kt`
+  // is where its request's transposed K begins (tiles only), `cost` about how many vector
+  // FMAs it takes.
+  struct Work { int64_t token, tokens, kv_head, kt, blocks, cost, head_begin, head_end; };
   struct Run { int64_t token, tokens, blocks, kt; };
   std::vector<Work> work;
   std::vector<Run> runs;
@@ -207,7 +208,16 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
            std::equal(table_ptr + end * width, table_ptr + (end + 1) * width, table_ptr + t * width))
       ++end;
     if (end - t < kMinTileTokens) {
-      for (int64_t u = t; u < end; ++u) work.push_back({u, 1, -1, 0, 0, context_of(u) * heads});
+      for (int64_t u = t; u < end; ++u) {
+        if (tokens < at::get_num_threads()) {
+          // Fewer tokens than threads (a batch-1 decode): a token's kv heads go apart, so
+          // that every thread has some of its work.
+          for (int64_t g = 0; g < kv_heads; ++g)
+            work.push_back({u, 1, -1, 0, 0, context_of(u) * group, g * group, (g + 1) * group});
+        } else {
+          work.push_back({u, 1, -1, 0, 0, context_of(u) * heads, 0, heads});
+        }
+      }
     } else {
       const int64_t blocks = (context_of(end - 1) + block_size - 1) / block_size;
       runs.push_back({t, end - t, blocks, kt_size});
@@ -215,7 +225,8 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         for (int64_t g = 0; g < kv_heads; ++g)
           // A tile's vector FMAs serve all its rows: about half a token's cost per row.
           work.push_back({first, std::min(tile_tokens, end - first), g, kt_size, blocks,
-                          context_of(std::min(first + tile_tokens, end) - 1) * group_rows / 2});
+                          context_of(std::min(first + tile_tokens, end) - 1) * group_rows / 2,
+                          0, 0});
       kt_size += kv_heads * blocks * dim * block_size;
     }
     t = end;
@@ -243,9 +254,9 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
   const int64_t items = static_cast<int64_t>(work.size());
   std::vector<int64_t> cumulative(items + 1, 0);
   for (int64_t i = 0; i < items; ++i) cumulative[i + 1] = cumulative[i] + work[i].cost;
-  // About 64 positions' worth a piece at least: below that, waking a thread costs more.
+  // About 32 positions' worth a piece at least: below that, waking a thread costs more.
   const int64_t pieces = std::max<int64_t>(1, std::min({static_cast<int64_t>(
-      at::get_num_threads()), items, cumulative[items] / (64 * heads)}));
+      at::get_num_threads()), items, cumulative[items] / (32 * heads)}));
   at::parallel_for(0, pieces, 1, [&](int64_t piece_begin, int64_t piece_end) {
     auto first_item = [&](int64_t piece) {
       const int64_t share = cumulative[items] * piece / pieces;
@@ -289,13 +300,13 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         }
         continue;
       }
-      const int64_t t = item.token;
+      const int64_t t = item.token, head_begin = item.head_begin, head_end = item.head_end;
       const int64_t context = context_of(t), blocks = (context + block_size - 1) / block_size;
       const int32_t* table = table_ptr + t * width;
       auto block_start = [&](int64_t base, int64_t b) {
         return pool_ptr + (base + static_cast<int64_t>(table[b]) * block_size) * slot_stride;
       };
-      for (int64_t head = 0; head < heads; ++head)
+      for (int64_t head = head_begin; head < head_end; ++head)
         for (int64_t d = 0; d < dim; ++d)
           query[head * dim + d] =
               static_cast<float>(q_ptr[t * q_token_stride + head * q_head_stride + d]) * scale;
@@ -306,7 +317,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         const float* k_rows = as_float(block_start(k_base, b), converted.data(), n * slot_stride);
         // Four positions at a time per head: four independent sums (an FMA waits on the
         // one before it in its own sum only), each vector of the query loaded once for four.
-        for (int64_t head = 0; head < heads; ++head) {
+        for (int64_t head = head_begin; head < head_end; ++head) {
           const float* qh = query.data() + head * dim;
           const float* k = k_rows + (head / group) * dim;
           float* s = scores.data() + head * max_context + first;
@@ -337,7 +348,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         }
       }
       // Each head's softmax, in place; the division waits for the output.
-      for (int64_t head = 0; head < heads; ++head)
+      for (int64_t head = head_begin; head < head_end; ++head)
         inv_sum[head] = exp_in_place(scores.data() + head * max_context, context);
       // Pass 2: each head's weighted sum of its kv head's values, a block at a time, the
       // running sum of each vector of the head's output held in a register over the block.
@@ -346,7 +357,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
         const int64_t first = b * block_size, n = std::min(block_size, context - first);
         if (b + 1 < blocks) prefetch(block_start(v_base, b + 1), block_bytes);
         const float* v_rows = as_float(block_start(v_base, b), converted.data(), n * slot_stride);
-        for (int64_t head = 0; head < heads; ++head) {
+        for (int64_t head = head_begin; head < head_end; ++head) {
           const float* w = scores.data() + head * max_context + first;
           const float* v = v_rows + (head / group) * dim;
           float* a = acc.data() + head * dim;
@@ -377,7 +388,7 @@ void attend(const at::Tensor& q, const at::Tensor& pool, int64_t k_base, int64_t
           }
         }
       }
-      for (int64_t head = 0; head < heads; ++head)
+      for (int64_t head = head_begin; head < head_end; ++head)
         for (int64_t d = 0; d < dim; ++d)
           out_ptr[(t * heads + head) * dim + d] =
               static_cast<T>(acc[head * dim + d] * inv_sum[head]);
