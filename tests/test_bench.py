@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miniinfer.bench.offline import BenchConfig, paired_pct, run_bench
-from miniinfer.engines import GenerationResult
+from miniinfer.engines import GenerationResult, make_engine
 
 
 class ScriptedEngine:
@@ -67,3 +67,36 @@ def test_ttft_and_tpot_from_the_token_times(tiny):
     row = run_bench(tiny, config, engines).iloc[0]
     assert row.ttft_ms == pytest.approx(250) and row.tpot_ms == pytest.approx(250)
     assert row.step_ms == pytest.approx(250) and row.tok_s == pytest.approx(3 * 4 / 1.0)
+
+
+def test_the_ratio_interval_is_a_bootstrap_of_the_rounds_median():
+    from miniinfer.bench.race import ratio_interval
+
+    assert ratio_interval([1.5] * 5) == (1.5, 1.5)  # no spread, no width
+    low, high = ratio_interval([1.2, 1.4, 1.5, 1.6, 1.9])
+    assert 1.2 <= low <= 1.5 <= high <= 1.9 and low < high
+    # The interval is the median's, not the rounds': one wild round in ten does not widen it.
+    low, high = ratio_interval([1.4, 1.4, *[1.5] * 7, 9.0])
+    assert 1.4 <= low and high == 1.5
+
+
+def test_the_step_breakdown_puts_the_quantized_linears_in_the_weight_kernels(tiny):
+    """The four parts of a steady decode step, on the int4 kernel's eager stage: the weight
+    kernels are the quantized linears' own time, the host the unwatched step minus every
+    kernel, and nothing is left running or holding blocks afterwards."""
+    from miniinfer.bench.breakdown import CATEGORIES, step_breakdown
+    from miniinfer.core.kernels import cpu_quantized
+
+    if cpu_quantized.load() is not None:
+        pytest.skip(f"the quantized kernel does not run here: {cpu_quantized.load()}")
+    engine = make_engine("quantized:int4-eager", tiny)
+    df = step_breakdown(engine, batch=2, prompt_len=8, steps=4, warmup=1).set_index("category")
+    ms = df["ms"]
+    assert list(ms.index) == [*CATEGORIES, "step"] and (ms >= 0).all()
+    assert ms["weight-reading kernels"] > 0 and ms["other kernels"] > 0 and ms["engine"] > 0
+    parts = ms[list(CATEGORIES)].sum()
+    kernels = ms["weight-reading kernels"] + ms["other kernels"]
+    assert parts == pytest.approx(max(ms["step"], kernels))
+    assert not engine.has_unfinished_requests()
+    manager = engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks

@@ -69,6 +69,10 @@ HUGE = str(10**12)
 # (args, distinctive words of the error line, answered before the model loads). "{name}" is
 # a file from _files.
 CASES = [
+    # Issue 92's benchmarks: a format llama.cpp has no file for, a model it does not hold.
+    ([*BENCH, "--against-llama-cpp", "int3"], "--against-llama-cpp takes formats among int4, "
+     "int8, fp32, got int3", True),
+    ([*BENCH, "--against-llama-cpp", "int4"], "--against-llama-cpp runs smollm2-135m", True),
     # The cases tests/test_cli.py had first.
     (["generate", "--engine", "turbo", "--prompt", "hi"], "unknown engine 'turbo'", True),
     (["generate", "--model", "llama-99b", "--prompt", "hi"], "unknown model 'llama-99b'", True),

@@ -20,7 +20,6 @@ import statistics
 import time
 
 import pandas as pd
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..core.sampling import SamplingParams

@@ -154,8 +154,8 @@ class CompileOptions:
     # skip_guard_eval_unsafe): safe because every graph is static but for the context width,
     # compiled once per bucket, and nothing the other guards check changes after warm-up.
     skip_guards: bool = True
-    # Each graph's kernels called from C++ (inductor's cpp_wrapper), not from a Python wrapper
-    # a kernel at a time.
+    # On a CPU, each graph's kernels called from C++ (inductor's cpp_wrapper), not from a
+    # Python wrapper a kernel at a time (a GPU's graphs replay as CUDA graphs instead).
     cpp_wrapper: bool = True
 
     def __post_init__(self) -> None:
@@ -317,7 +317,8 @@ class CompiledForward:
         # decides how dynamo lifts the weights; and passed as options= too (see _compile).
         self._graph_config = {"freezing": self.options.freezing,
                               "cpp.enable_kernel_profile": self.options.kernel_profile,
-                              "cpp_wrapper": self.options.cpp_wrapper}
+                              "cpp_wrapper": self.options.cpp_wrapper
+                              and self.device.type == "cpu"}
         # Patched around every call too: one graph per bucket, for the body and the head each,
         # is more than dynamo keeps for one function by default (8); forwards with other
         # options (chapter 11's ablation) add theirs to the same code, and past the limit
