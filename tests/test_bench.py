@@ -93,7 +93,8 @@ def test_the_step_breakdown_puts_the_quantized_linears_in_the_weight_kernels(tin
     df = step_breakdown(engine, batch=2, prompt_len=8, steps=4, warmup=1).set_index("category")
     ms = df["ms"]
     assert list(ms.index) == [*CATEGORIES, "step"] and (ms >= 0).all()
-    assert ms["weight-reading kernels"] > 0 and ms["other kernels"] > 0 and ms["engine"] > 0
+    # The eager forward's norms and attention are ATen ops called one at a time: host work.
+    assert ms["weight-reading kernels"] > 0 and ms["ATen ops"] > 0 and ms["engine"] > 0
     parts = ms[list(CATEGORIES)].sum()
     kernels = ms["weight-reading kernels"] + ms["other kernels"]
     assert parts == pytest.approx(max(ms["step"], kernels))

@@ -7,7 +7,8 @@ GGUF: each row of a matrix is cut into blocks of 32 weights, and each block stor
 ``w = d * q + m``: groupwise asymmetric int4, group 32, 5 bits a weight. transformers
 de-quantizes that file to fp32 at load (4 bytes a weight); here the blocks are read back,
 and multiplied by chapter 13's own kernel (:mod:`~miniinfer.core.kernels.cpu_quantized`) where
-it runs (x86 with AVX2): the file's 20-byte blocks as they are, the activations quantized to
+it runs (x86 with AVX2): the file's 20-byte blocks, repacked once at load into groups of 8
+output rows (the same bytes, interleaved for the integer instructions), the activations quantized to
 int8 per block of 32 in the kernel, integer dot products, each block's scales applied once;
 ``compute_dtype=torch.int8`` names that path. Elsewhere, or when asked for another
 ``compute_dtype``, PyTorch's weight-only ops run instead:
