@@ -302,7 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     options = {name: _runner_options(args, name) for name in args.engines}
     _check_model(args)
     _check_at_most(args.batch_sizes, MAX_BATCH_SIZE, "--batch-sizes")
-    if args.breakdown or args.against_llama_cpp:
+    if args.breakdown or args.against_llama_cpp or args.kernel_rows:
         return _bench_step(args, options)
     config = BenchConfig(engines=args.engines, batch_sizes=args.batch_sizes,
                          prompt_len=args.prompt_len, new_tokens=args.new_tokens,
@@ -344,7 +344,18 @@ def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
     from .core.models import load_model
 
     out = check_output_path(args.out, "--out") if args.out is not None else None
-    if args.against_llama_cpp:
+    if args.kernel_rows:
+        from .bench.kernels import quantized_linear_rows
+        from .runner.quantized import BITS
+
+        unknown = [b for b in args.kernel_rows if b not in BITS]
+        if unknown:
+            raise InvalidRequestError(f"--kernel-rows takes {' and '.join(BITS)}, got "
+                                      f"{', '.join(unknown)}")
+        lm = load_model(args.model, device="cpu")
+        df = pd.concat([quantized_linear_rows(lm, bits, tuple(args.batch_sizes))
+                        for bits in args.kernel_rows])
+    elif args.against_llama_cpp:
         from .bench.race import STAGES, race
 
         unknown = [f for f in args.against_llama_cpp if f not in STAGES]
@@ -606,6 +617,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="instead: our compiled stage against llama.cpp (make peers-llama) "
                             "on the same weights, formats of int4,int8,fp32, interleaved "
                             "round by round (--repeat rounds), paired ratios with 95%% intervals")
+    bench.add_argument("--kernel-rows", type=_csv_names, metavar="BITS",
+                       help="instead: chapter 13's kernel alone, every linear of a step of the "
+                            "int4 or int8 model (e.g. int4,int8) at each of --batch-sizes rows: "
+                            "ms, GB/s and the cost against the first row count")
     engine_settings(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -101,3 +101,16 @@ def test_the_step_breakdown_puts_the_quantized_linears_in_the_weight_kernels(tin
     assert not engine.has_unfinished_requests()
     manager = engine.kv_cache.block_manager
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_the_kernel_rows_benchmark_times_every_linear_of_a_step(tiny):
+    from miniinfer.bench.kernels import quantized_linear_rows
+    from miniinfer.core.kernels import cpu_quantized
+
+    if cpu_quantized.load() is not None:
+        pytest.skip(f"the quantized kernel does not run here: {cpu_quantized.load()}")
+    df = quantized_linear_rows(tiny, "int4", (1, 4), repeats=2)
+    layers = tiny.config.num_hidden_layers
+    assert df["rows"].tolist() == [1, 4]
+    assert (df["linears"] == 4 * layers + 1).all()  # qkv, out, gate_up, down a layer; the head
+    assert df["vs_one_row"].iloc[0] == 1 and (df["gb_s"] > 0).all()

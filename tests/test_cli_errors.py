@@ -73,6 +73,7 @@ CASES = [
     ([*BENCH, "--against-llama-cpp", "int3"], "--against-llama-cpp takes formats among int4, "
      "int8, fp32, got int3", True),
     ([*BENCH, "--against-llama-cpp", "int4"], "--against-llama-cpp runs smollm2-135m", True),
+    ([*BENCH, "--kernel-rows", "int2"], "--kernel-rows takes int4 and int8, got int2", True),
     # The cases tests/test_cli.py had first.
     (["generate", "--engine", "turbo", "--prompt", "hi"], "unknown engine 'turbo'", True),
     (["generate", "--model", "llama-99b", "--prompt", "hi"], "unknown model 'llama-99b'", True),

@@ -80,3 +80,36 @@ def _kernel_seconds(device: torch.device, repeats: int, call) -> float:
             call(n)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def quantized_linear_rows(lm, bits: str, rows: tuple[int, ...] = (1, 2, 4, 8),
+                          repeats: int = 15) -> pd.DataFrame:
+    """Every linear of ``lm``'s ``bits`` model (the body's and the LM head, as a decode step
+    calls them), back to back, at each row count: the median time of the pass, the bytes of
+    weights it read over that time, and its cost against one row (issue 92: a verification of
+    ``k + 1`` rows should cost about one row's read of the weights)."""
+    from ..runner.model import Linear
+    from ..runner.quantized import quantized, weight_bytes
+
+    model = quantized(lm, bits)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    inputs = {}
+    for linear in linears:  # the width each takes, read off its packed weights
+        weight = linear.blocks if hasattr(linear, "blocks") else linear.groups
+        inputs.setdefault(weight.shape[1] * 32, None)
+    size = weight_bytes(model)
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k) for k in inputs}
+
+        def step(_call: int, xs=xs) -> None:
+            for linear in linears:
+                weight = linear.blocks if hasattr(linear, "blocks") else linear.groups
+                linear(xs[weight.shape[1] * 32])
+
+        seconds = _kernel_seconds(lm.device, repeats, step)
+        out.append({"bits": bits, "rows": m, "linears": len(linears), "ms": seconds * 1e3,
+                    "weight_mb": size / 1e6, "gb_s": size / seconds / 1e9})
+    df = pd.DataFrame(out)
+    df["vs_one_row"] = df["ms"] / df.loc[df["rows"] == rows[0], "ms"].iloc[0]
+    return df.assign(**run_metadata(lm.device))
