@@ -346,15 +346,20 @@ def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
     out = check_output_path(args.out, "--out") if args.out is not None else None
     if args.kernel_rows:
         from .bench.kernels import quantized_linear_rows
+        from .core.kernels import cpu_quantized
         from .runner.quantized import BITS
 
         unknown = [b for b in args.kernel_rows if b not in BITS]
         if unknown:
             raise InvalidRequestError(f"--kernel-rows takes {' and '.join(BITS)}, got "
                                       f"{', '.join(unknown)}")
+        if (why := cpu_quantized.load()) is not None:
+            raise MiniInferError(f"--kernel-rows times chapter 13's kernel, which does not run "
+                                 f"here: {why}")
         lm = load_model(args.model, device="cpu")
-        df = pd.concat([quantized_linear_rows(lm, bits, tuple(args.batch_sizes))
-                        for bits in args.kernel_rows])
+        isas = ["auto", *cpu_quantized.instruction_sets()]
+        df = pd.concat([quantized_linear_rows(lm, bits, tuple(args.batch_sizes), isa=isa)
+                        for bits in args.kernel_rows for isa in isas[1:] or isas])
     elif args.against_llama_cpp:
         from .bench.race import STAGES, race
 
@@ -619,8 +624,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "round by round (--repeat rounds), paired ratios with 95%% intervals")
     bench.add_argument("--kernel-rows", type=_csv_names, metavar="BITS",
                        help="instead: chapter 13's kernel alone, every linear of a step of the "
-                            "int4 or int8 model (e.g. int4,int8) at each of --batch-sizes rows: "
-                            "ms, GB/s and the cost against the first row count")
+                            "int4 or int8 model (e.g. int4,int8) at each of --batch-sizes rows, "
+                            "on each instruction path this CPU has: ms, GB/s and the cost "
+                            "against the first row count")
     engine_settings(bench)
     bench.set_defaults(func=cmd_bench)
 

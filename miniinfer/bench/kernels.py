@@ -83,33 +83,35 @@ def _kernel_seconds(device: torch.device, repeats: int, call) -> float:
 
 
 def quantized_linear_rows(lm, bits: str, rows: tuple[int, ...] = (1, 2, 4, 8),
-                          repeats: int = 15) -> pd.DataFrame:
+                          repeats: int = 15, isa: str = "auto") -> pd.DataFrame:
     """Every linear of ``lm``'s ``bits`` model (the body's and the LM head, as a decode step
-    calls them), back to back, at each row count: the median time of the pass, the bytes of
-    weights it read over that time, and its cost against one row (issue 92: a verification of
-    ``k + 1`` rows should cost about one row's read of the weights)."""
-    from ..runner.model import Linear
-    from ..runner.quantized import quantized, weight_bytes
+    calls them), back to back through chapter 13's kernel on instruction path ``isa``, at each
+    row count: the median time of the pass, the bytes of weights it read over that time, and
+    its cost against the first row count (issue 92: a verification of ``k + 1`` rows should
+    cost about one row's read of the weights)."""
+    from ..core.kernels import cpu_quantized
+    from ..runner.quantized import Int4Linear, Int8Linear, quantized, weight_bytes
 
-    model = quantized(lm, bits)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    inputs = {}
-    for linear in linears:  # the width each takes, read off its packed weights
-        weight = linear.blocks if hasattr(linear, "blocks") else linear.groups
-        inputs.setdefault(weight.shape[1] * 32, None)
+    model = quantized(lm, bits, compute_dtype=torch.int8)
+    calls = []  # (op, packed weight, its third argument): the kernel as each linear calls it
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            calls.append((cpu_quantized.q4_1_linear, module.blocks, module.out_features))
+        elif isinstance(module, Int8Linear):
+            calls.append((cpu_quantized.int8_linear, module.groups, module.scales))
     size = weight_bytes(model)
     out = []
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in inputs}
+        xs = {w.shape[1] * 32: torch.randn(m, w.shape[1] * 32) for _, w, _ in calls}
 
         def step(_call: int, xs=xs) -> None:
-            for linear in linears:
-                weight = linear.blocks if hasattr(linear, "blocks") else linear.groups
-                linear(xs[weight.shape[1] * 32])
+            for op, weight, third in calls:
+                op(xs[weight.shape[1] * 32], weight, third, isa)
 
         seconds = _kernel_seconds(lm.device, repeats, step)
-        out.append({"bits": bits, "rows": m, "linears": len(linears), "ms": seconds * 1e3,
-                    "weight_mb": size / 1e6, "gb_s": size / seconds / 1e9})
+        out.append({"bits": bits, "isa": isa, "rows": m, "linears": len(calls),
+                    "ms": seconds * 1e3, "weight_mb": size / 1e6, "gb_s": size / seconds / 1e9})
     df = pd.DataFrame(out)
-    df["vs_one_row"] = df["ms"] / df.loc[df["rows"] == rows[0], "ms"].iloc[0]
-    return df.assign(**run_metadata(lm.device))
+    df["vs_one_row"] = df["ms"] / df["ms"].iloc[0]
+    return df.assign(**{k: v for k, v in run_metadata(lm.device).items() if k != "isa"},
+                     cpu_isa=run_metadata(lm.device)["isa"])
