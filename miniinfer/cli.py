@@ -377,14 +377,14 @@ def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
         from .bench.breakdown import step_breakdown
 
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
-        frames = []
+        rows = []
         for name in args.engines:
             engine = make_bench_engine(name, lm, **options[name])
             for batch in args.batch_sizes:
-                frames.append(step_breakdown(engine, batch, args.prompt_len)
-                              .assign(engine=name, batch_size=batch))
-        df = pd.concat(frames).pivot_table(index=["engine", "batch_size"], columns="category",
-                                           values="ms", sort=False).reset_index()
+                split = step_breakdown(engine, batch, args.prompt_len)
+                rows.append({"engine": name, "batch_size": batch,
+                             **dict(zip(split["category"], split["ms"], strict=True))})
+        df = pd.DataFrame(rows)
     df = df.assign(**{k: v for k, v in run_metadata(lm.device).items() if k not in df})
     print(df.round(3).to_string(index=False))
     if out is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from miniinfer.bench.offline import BenchConfig, paired_pct, run_bench
@@ -94,7 +95,7 @@ def test_the_step_breakdown_puts_the_quantized_linears_in_the_weight_kernels(tin
     ms = df["ms"]
     assert list(ms.index) == [*CATEGORIES, "step"] and (ms >= 0).all()
     # The eager forward's norms and attention are ATen ops called one at a time: host work.
-    assert ms["weight-reading kernels"] > 0 and ms["ATen ops"] > 0 and ms["engine"] > 0
+    assert ms["weight-reading kernels"] > 0 and ms["ATen ops"] > 0 and ms["engine Python"] > 0
     parts = ms[list(CATEGORIES)].sum()
     kernels = ms["weight-reading kernels"] + ms["other kernels"]
     assert parts == pytest.approx(max(ms["step"], kernels))
@@ -114,3 +115,16 @@ def test_the_kernel_rows_benchmark_times_every_linear_of_a_step(tiny):
     assert df["rows"].tolist() == [1, 4]
     assert (df["linears"] == 4 * layers + 1).all()  # qkv, out, gate_up, down a layer; the head
     assert df["vs_one_row"].iloc[0] == 1 and (df["gb_s"] > 0).all()
+
+
+def test_bench_breakdown_prints_and_writes_one_row_per_engine_and_batch(tmp_path, capsys):
+    from miniinfer.bench.breakdown import CATEGORIES
+    from miniinfer.cli import main
+
+    out = tmp_path / "breakdown.csv"
+    main(["bench", "--model", "tiny", "--device", "cpu", "--engines", "continuous",
+          "--batch-sizes", "1,2", "--prompt-len", "8", "--breakdown", "--out", str(out)])
+    df = pd.read_csv(out)
+    assert df[["engine", "batch_size"]].values.tolist() == [["continuous", 1], ["continuous", 2]]
+    assert set(CATEGORIES) | {"step", "git_sha", "device_name"} <= set(df.columns)
+    assert (df["step"] > 0).all() and "weight-reading kernels" in capsys.readouterr().out

@@ -526,6 +526,21 @@ def test_the_cpp_kernel_equals_each_tokens_own_attention(dtype, dim, kv_heads):
                                              tables[request], positions, 0.125)
 
 
+def test_rope_read_from_the_table_is_the_models_rope_bit_for_bit(tiny):
+    """The compiled forward reads cos and sin from a table of positions (grown when a position
+    passes its end) instead of computing them each step: the same values exactly."""
+    engine = make_engine("paged-attention", tiny)
+    forward = CompiledForward(tiny.model, engine.kv_cache, CompileOptions(token_buckets=(4,)))
+    for positions in (torch.tensor([0, 5, 1023]), torch.tensor([7, 1024, 3000, 2])):
+        got = forward.rope(positions, int(positions.max()))
+        want = forward.model.rope(positions)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert forward._rope_table[0].shape[0] == 4096  # grown by doubling past 3000
+    assert all(torch.equal(g, w) for g, w in zip(forward.rope(torch.tensor([9])),
+                                                   forward.model.rope(torch.tensor([9])),
+                                                   strict=True))  # no bound: computed
+
+
 @pytest.mark.parametrize("kv_heads", [3, 1])
 def test_fewer_tokens_than_threads_split_a_tokens_kv_heads_and_agree_bit_for_bit(kv_heads):
     """A batch-1 decode is one token: with two threads its kv heads go to both (each head's

@@ -12,8 +12,8 @@ steps run under ``torch.profiler``, whose self times of the kernels are what the
 - **host**: the unwatched step minus those kernels, split as the profile saw it between the
   ATen ops the forward and the sampler call one at a time (*ATen ops*: at a decode step's sizes
   their dispatch costs more than their arithmetic), dynamo's guards and the forward's own Python
-  (*guards and dispatch*), and everything else outside the forward (*engine*: schedule, plan,
-  sample, commit, stop checks).
+  (*guards and dispatch*), and everything else outside the forward (*engine Python*: schedule,
+  plan, sample, commit, stop checks).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ DISPATCH_EVENTS = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "AOTDisp
                    "Pregraph bytecode", "CompiledFunction")
 GRAPH_EVENT = "## Call CompiledFxGraph"
 CATEGORIES = ("weight-reading kernels", "other kernels", "ATen ops", "guards and dispatch",
-              "engine")
+              "engine Python")
 
 
 def _is_kernel(name: str) -> bool:
@@ -81,7 +81,7 @@ def step_breakdown(engine, batch: int = 1, prompt_len: int = 64, steps: int = 40
     host = max(0.0, step_ms - weights - other)
     # The host's split, as the profile saw it (the profiler's own overhead shared in proportion).
     profiled_host = {"ATen ops": aten, "guards and dispatch": dispatch,
-                     "engine": max(0.0, profiled_step - weights - other - aten - dispatch)}
+                     "engine Python": max(0.0, profiled_step - weights - other - aten - dispatch)}
     total = max(sum(profiled_host.values()), 1e-9)
     split = {"weight-reading kernels": weights, "other kernels": other,
              **{name: host * ms / total for name, ms in profiled_host.items()}}

@@ -312,6 +312,7 @@ class CompiledForward:
         self.num_compiles = 0  # graphs compiled by this forward, recompiles included
         # Bytes of graph constants that share another graph's equal constant (see _run).
         self.shared_constant_bytes = 0
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # see rope()
         # Inductor's config that changes what a graph is: patched in while dynamo traces, not
         # only while inductor compiles (what torch.compile's options= covers), since freezing
         # decides how dynamo lifts the weights; and passed as options= too (see _compile).
@@ -456,9 +457,10 @@ class CompiledForward:
         logits_rows = batch.logits_rows
         # Only the blocks up to the furthest position anyone sees (on a CPU the read costs no
         # wait; on CUDA it would, so the tables keep their width).
+        highest = None  # the furthest position, where reading it costs no wait
         if self.device.type == "cpu":
-            width = -(-(int(position_ids.max()) + 1) // self.block_size)
-            tables = tables[:, :width]
+            highest = int(position_ids.max())
+            tables = tables[:, :-(-(highest + 1) // self.block_size)]
         if tables.shape[1] < 2:  # a dynamic dimension of size 1 would be specialised
             tables = F.pad(tables, (0, 2 - tables.shape[1]))
         # Standard strides even where .contiguous() would keep a view's (a row of one).
@@ -468,7 +470,7 @@ class CompiledForward:
         for size in self.chunk_sizes(num_tokens):
             end = start + size
             parts.append(self._body(input_ids[start:end], position_ids[start:end],
-                                    slot_mapping[start:end], tables[start:end])[:size])
+                                    slot_mapping[start:end], tables[start:end], highest)[:size])
             start = end
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)
         if logits_rows is None:
@@ -476,8 +478,10 @@ class CompiledForward:
         return self._head(hidden[logits_rows], len(logits_rows))
 
     def _body(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-              slot_mapping: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        """The body over one bucket's worth of tokens; returns ``[bucket, hidden]`` (rows past
+              slot_mapping: torch.Tensor, tables: torch.Tensor,
+              highest: int | None = None) -> torch.Tensor:
+        """The body over one bucket's worth of tokens (``highest``: a bound on their positions
+        where the caller knows one); returns ``[bucket, hidden]`` (rows past
         the real tokens are padding)."""
         num_tokens = input_ids.shape[0]
         bucket = self.bucket(num_tokens)
@@ -492,11 +496,25 @@ class CompiledForward:
             tables = F.pad(tables, (0, 0, 0, pad))
         # The rotary embedding outside the graph: inside, inductor would recompute its cos
         # and sin wherever RoPE is read, which in attention is once per context position.
-        cos, sin = self.model.rope(position_ids)
+        cos, sin = self.rope(position_ids, highest)
         torch._dynamo.mark_dynamic(tables, 1)
         graph = self.body(self._gemm(bucket), self._by_segment(bucket))
         return self._run(("body", bucket), graph, input_ids, position_ids, cos, sin,
                          slot_mapping, rows, tables, self.pool)
+
+    def rope(self, position_ids: torch.Tensor,
+             highest: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's ``rope(position_ids)``, read from a table of every position up to
+        ``highest`` (made once, grown by doubling) where that bound is known: two lookups
+        instead of a dozen small ops a step, and the same values, each row computed from its
+        position by the same arithmetic."""
+        if highest is None:
+            return self.model.rope(position_ids)
+        if self._rope_table is None or highest >= self._rope_table[0].shape[0]:
+            size = max(1024, 1 << highest.bit_length())
+            self._rope_table = self.model.rope(torch.arange(size, device=position_ids.device))
+        cos, sin = self._rope_table
+        return cos[position_ids], sin[position_ids]
 
     def _head(self, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
         """Logits of the first ``num_rows`` rows of ``hidden`` (more rows may be padding)."""
