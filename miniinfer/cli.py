@@ -336,7 +336,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
-    """``bench --breakdown`` and ``bench --against-llama-cpp``: a table, and the CSV."""
+    """``bench --breakdown``, ``--against-llama-cpp`` and ``--kernel-rows``: a table, and
+    the CSV."""
     import pandas as pd
 
     from .bench.devices import run_metadata
@@ -365,17 +366,24 @@ def _bench_step(args: argparse.Namespace, options: dict[str, dict]) -> None:
 
         unknown = [f for f in args.against_llama_cpp if f not in STAGES]
         if unknown:
-            raise InvalidRequestError(f"--against-llama-cpp takes formats among {', '.join(STAGES)}, "
-                           f"got {', '.join(unknown)}")
+            raise InvalidRequestError(f"--against-llama-cpp takes formats among "
+                                      f"{', '.join(STAGES)}, got {', '.join(unknown)}")
         if args.model != "smollm2-135m":
-            raise InvalidRequestError("--against-llama-cpp runs smollm2-135m, the model llama.cpp's "
-                           "GGUF holds")
+            raise InvalidRequestError("--against-llama-cpp runs smollm2-135m, the model "
+                                      "llama.cpp's GGUF holds")
         lm = load_model(args.model, device="cpu")
         df = race(lm, args.against_llama_cpp, args.batch_sizes, args.repeat, args.prompt_len,
                   args.new_tokens)
     else:
         from .bench.breakdown import step_breakdown
+        from .engines import resolve_engine
+        from .engines.continuous import ContinuousEngine
 
+        static = [n for n in args.engines if not issubclass(resolve_engine(n)[0], ContinuousEngine)]
+        if static:
+            raise InvalidRequestError(f"--breakdown times the steps of chapter 08's engine and the "
+                                      f"stages built on it; {', '.join(static)} runs a static "
+                                      f"batch")
         lm = load_model(args.model, device=args.device, dtype=args.dtype)
         rows = []
         for name in args.engines:
@@ -614,19 +622,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeat", type=int, default=3)
     bench.add_argument("--chapter", default="", help="chapter tag written into the CSV")
     bench.add_argument("--out", help="CSV path (Ctrl-C: the finished rows, marked partial)")
-    bench.add_argument("--breakdown", action="store_true",
-                       help="instead: where a steady decode step's time goes (weight-reading "
-                            "kernels, other kernels, guards and dispatch, engine), per engine "
-                            "and batch size")
-    bench.add_argument("--against-llama-cpp", type=_csv_names, metavar="FORMATS",
-                       help="instead: our compiled stage against llama.cpp (make peers-llama) "
-                            "on the same weights, formats of int4,int8,fp32, interleaved "
-                            "round by round (--repeat rounds), paired ratios with 95%% intervals")
-    bench.add_argument("--kernel-rows", type=_csv_names, metavar="BITS",
-                       help="instead: chapter 13's kernel alone, every linear of a step of the "
-                            "int4 or int8 model (e.g. int4,int8) at each of --batch-sizes rows, "
-                            "on each instruction path this CPU has: ms, GB/s and the cost "
-                            "against the first row count")
+    instead = bench.add_mutually_exclusive_group()
+    instead.add_argument("--breakdown", action="store_true",
+                         help="instead: where a steady decode step's time goes (weight-reading "
+                              "kernels, other kernels, ATen ops, guards and dispatch, engine "
+                              "Python), per engine and batch size")
+    instead.add_argument("--against-llama-cpp", type=_csv_names, metavar="FORMATS",
+                         help="instead: our compiled stage against llama.cpp (make peers-llama) "
+                              "on the same weights, formats of int4,int8,fp32, interleaved "
+                              "round by round (--repeat rounds), paired ratios with 95%% "
+                              "intervals")
+    instead.add_argument("--kernel-rows", type=_csv_names, metavar="BITS",
+                         help="instead: chapter 13's kernel alone, every linear of a step of the "
+                              "int4 or int8 model (e.g. int4,int8) at each of --batch-sizes rows, "
+                              "on each instruction path this CPU has: ms, GB/s and the cost "
+                              "against the first row count")
     engine_settings(bench)
     bench.set_defaults(func=cmd_bench)
 

@@ -74,6 +74,11 @@ CASES = [
      "int8, fp32, got int3", True),
     ([*BENCH, "--against-llama-cpp", "int4"], "--against-llama-cpp runs smollm2-135m", True),
     ([*BENCH, "--kernel-rows", "int2"], "--kernel-rows takes int4 and int8, got int2", True),
+    (["bench", "--model", "tiny", "--engines", "hf", "--breakdown"],
+     "--breakdown times the steps of chapter 08's engine and the stages built on it; hf runs a "
+     "static batch", True),
+    ([*BENCH, "--breakdown", "--kernel-rows", "int4"],
+     "argument --kernel-rows: not allowed with argument --breakdown", True),
     # The cases tests/test_cli.py had first.
     (["generate", "--engine", "turbo", "--prompt", "hi"], "unknown engine 'turbo'", True),
     (["generate", "--model", "llama-99b", "--prompt", "hi"], "unknown model 'llama-99b'", True),

@@ -67,7 +67,8 @@ def step_breakdown(engine, batch: int = 1, prompt_len: int = 64, steps: int = 40
             engine.abort(rid)
     step_ms = statistics.median(walls) * 1e3
     weights = other = aten = dispatch = 0.0
-    for event in prof.key_averages():
+    events = prof.key_averages()
+    for event in events:
         self_ms = event.self_cpu_time_total / 1e3 / steps
         if event.key in WEIGHT_OPS:
             weights += self_ms
@@ -77,7 +78,7 @@ def step_breakdown(engine, batch: int = 1, prompt_len: int = 64, steps: int = 40
             aten += self_ms
         elif event.key.startswith(DISPATCH_EVENTS) or event.key == "model_forward":
             dispatch += self_ms
-    profiled_step = prof.key_averages().self_cpu_time_total / 1e3 / steps
+    profiled_step = events.self_cpu_time_total / 1e3 / steps
     host = max(0.0, step_ms - weights - other)
     # The host's split, as the profile saw it (the profiler's own overhead shared in proportion).
     profiled_host = {"ATen ops": aten, "guards and dispatch": dispatch,

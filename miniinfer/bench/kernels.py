@@ -90,6 +90,7 @@ def quantized_linear_rows(lm, bits: str, rows: tuple[int, ...] = (1, 2, 4, 8),
     its cost against the first row count (issue 92: a verification of ``k + 1`` rows should
     cost about one row's read of the weights)."""
     from ..core.kernels import cpu_quantized
+    from ..core.kernels.cpu_quantized import BLOCK
     from ..runner.quantized import Int4Linear, Int8Linear, quantized, weight_bytes
 
     model = quantized(lm, bits, compute_dtype=torch.int8)
@@ -102,16 +103,17 @@ def quantized_linear_rows(lm, bits: str, rows: tuple[int, ...] = (1, 2, 4, 8),
     size = weight_bytes(model)
     out = []
     for m in rows:
-        xs = {w.shape[1] * 32: torch.randn(m, w.shape[1] * 32) for _, w, _ in calls}
+        # A packed weight is [groups, blocks of in_features, bytes]: its input width.
+        xs = {w.shape[1] * BLOCK: torch.randn(m, w.shape[1] * BLOCK) for _, w, _ in calls}
 
         def step(_call: int, xs=xs) -> None:
             for op, weight, third in calls:
-                op(xs[weight.shape[1] * 32], weight, third, isa)
+                op(xs[weight.shape[1] * BLOCK], weight, third, isa)
 
         seconds = _kernel_seconds(lm.device, repeats, step)
         out.append({"bits": bits, "isa": isa, "rows": m, "linears": len(calls),
                     "ms": seconds * 1e3, "weight_mb": size / 1e6, "gb_s": size / seconds / 1e9})
     df = pd.DataFrame(out)
     df["vs_one_row"] = df["ms"] / df["ms"].iloc[0]
-    return df.assign(**{k: v for k, v in run_metadata(lm.device).items() if k != "isa"},
-                     cpu_isa=run_metadata(lm.device)["isa"])
+    meta = run_metadata(lm.device)
+    return df.assign(**{k: v for k, v in meta.items() if k != "isa"}, cpu_isa=meta["isa"])

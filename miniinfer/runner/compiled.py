@@ -566,9 +566,8 @@ class CompiledForward:
         out = None
         if not first and self.options.skip_guards:
             # A bucket's graph, once compiled, is chosen by the guards that told the graphs
-            # apart when they were compiled (the token count), not by all of them: evaluating
-            # every guard of a frozen model cost more than the rest of a batch-1 step's host
-            # work. Where those guards find no graph (a shape no graph was compiled for),
+            # apart when they were compiled (the token count), not by all of them: a frozen
+            # model's every guard is checked otherwise, on every call of every step. Where those guards find no graph (a shape no graph was compiled for),
             # torch refuses before running anything, and the call below compiles one.
             try:
                 with _guards_skipped():
